@@ -1,0 +1,1 @@
+"""rljob workers: rollout engines, RL algorithms, buffer, transport and weight sync."""
