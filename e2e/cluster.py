@@ -1,0 +1,516 @@
+"""A real Kubernetes control plane on loopback, for tests and for a throwaway cluster.
+
+Runs etcd, kube-apiserver (RBAC, token auth, ServiceAccount token issuing), kube-controller-manager
+(garbage collector, namespaces, service accounts, jobs, node lifecycle ...), kube-scheduler and kwok
+(simulated kubelets, with the chaos stages of ``e2e/kwok-stages.yaml``) on free loopback ports, then
+registers fake GPU nodes (``nvidia.com/gpu`` allocatable, tainted ``nvidia.com/gpu:NoSchedule``; the
+API server's ExtendedResourceToleration admission plugin adds the toleration to pods that request
+GPUs) and one untainted CPU node.
+
+Command line::
+
+    python -m e2e.cluster up [--dir DIR] [--gpu-nodes N]   # prints the kubeconfig path
+    python -m e2e.cluster status [--dir DIR]
+    python -m e2e.cluster down [--dir DIR]
+
+As a library, ``LocalCluster(...).up()`` / ``.down()``; with ``tie_to_parent=True`` every process
+gets PR_SET_PDEATHSIG so it dies with the process that started it, even on SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = Path(os.environ.get("RLJOB_CLUSTER_DIR", "/tmp/rljob-cluster"))
+ADMIN_TOKEN = "rljob-local-admin-token"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+def _versions() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in (REPO / "scripts" / "versions.env").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def cache_dir() -> Path:
+    """The setup cache (same rule as scripts/lib.sh)."""
+    if "RLJOB_CACHE" in os.environ:
+        return Path(os.environ["RLJOB_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rljob-operator"
+
+
+def binary(name: str) -> Path:
+    """Path of a control-plane binary built by scripts/build_controlplane.sh."""
+    v = _versions()
+    folder = {
+        "etcd": f"etcd-{v['ETCD_VERSION']}",
+        "kwok": f"kwok-{v['KWOK_VERSION']}",
+        "helm": f"helm-{v['HELM_VERSION']}",
+    }.get(name, f"kubernetes-{v['K8S_VERSION']}")
+    path = cache_dir() / "bin" / folder / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run scripts/setup.sh (it builds the binaries)")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class LocalCluster:
+    """One local control plane rooted at ``workdir`` (state, logs and kubeconfig live there)."""
+
+    workdir: Path = DEFAULT_DIR
+    gpu_nodes: int = 4
+    gpus_per_node: int = 8
+    tie_to_parent: bool = False
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def state_file(self) -> Path:
+        return self.workdir / "state.json"
+
+    def _ports(self) -> dict[str, int]:
+        return json.loads(self.state_file.read_text())["ports"]  # type: ignore[no-any-return]
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self._ports()['apiserver']}"
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def up(self, timeout: float = 180.0, progress: Callable[[str], None] | None = None) -> float:
+        """Start every component, register nodes, wait until usable; return seconds to ready."""
+        say = progress or (lambda _msg: None)
+        start = time.monotonic()
+        if self.running_pids():
+            raise RuntimeError(f"a cluster is already running in {self.workdir}: run `down` first")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)  # a throwaway cluster starts empty
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        ports = {k: free_port() for k in ("etcd", "etcd_peer", "apiserver", "kcm", "sched", "kwok")}
+        self.state_file.write_text(json.dumps({"ports": ports, "pids": {}}))
+        self._write_credentials()
+        self._write_kubeconfig()
+        try:
+            say("starting etcd")
+            self._start("etcd", self._etcd_args(ports))
+            self._wait(
+                lambda: self._http_ok(f"http://127.0.0.1:{ports['etcd']}/health"), 60, "etcd"
+            )
+            say("starting kube-apiserver")
+            self._start("kube-apiserver", self._apiserver_args(ports))
+            self._wait(lambda: self._api_ok("/readyz"), timeout, "kube-apiserver /readyz")
+            say("starting controller-manager, scheduler, kwok")
+            self._start("kube-controller-manager", self._kcm_args(ports))
+            self._start("kube-scheduler", self._scheduler_args(ports))
+            self._start("kwok", self._kwok_args(ports))
+            say(f"registering {self.gpu_nodes} fake GPU nodes + 1 CPU node")
+            self._create_nodes()
+            self._wait(self._nodes_ready, timeout, "nodes Ready")
+            self._wait(
+                lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"),
+                timeout,
+                "default ServiceAccount (controller-manager)",
+            )
+        except BaseException:
+            self.down()
+            raise
+        return time.monotonic() - start
+
+    def down(self) -> None:
+        """Stop every process of this cluster (by pid file, then by scanning /proc for strays)."""
+        pids = dict(self._recorded_pids())
+        for name, proc in self.procs.items():
+            pids.setdefault(name, proc.pid)
+        for pid in self._stray_pids():
+            pids.setdefault(f"stray-{pid}", pid)
+        order = [*reversed(COMPONENTS)]
+        for name in sorted(pids, key=lambda n: order.index(n) if n in order else -1):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[name], signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+            for proc in self.procs.values():
+                with contextlib.suppress(Exception):
+                    proc.poll()
+            time.sleep(0.2)
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+        self.procs.clear()
+        if self.state_file.exists():
+            state = json.loads(self.state_file.read_text())
+            state["pids"] = {}
+            self.state_file.write_text(json.dumps(state))
+
+    def running_pids(self) -> dict[str, int]:
+        """Components of this cluster that are alive now."""
+        alive = {n: p for n, p in self._recorded_pids().items() if _alive(p)}
+        for pid in self._stray_pids():
+            alive.setdefault(f"stray-{pid}", pid)
+        return alive
+
+    def status(self) -> dict[str, object]:
+        """A summary: which components run, the server address, the nodes."""
+        info: dict[str, object] = {"dir": str(self.workdir), "running": self.running_pids()}
+        if self.state_file.exists() and self.running_pids():
+            info["server"] = self.server
+            info["kubeconfig"] = str(self.kubeconfig)
+            with contextlib.suppress(Exception):
+                info["nodes"] = self.kubectl("get", "nodes", "-o", "wide").stdout
+        return info
+
+    # ---------------------------------------------------------------- helpers for tests
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, token: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the locally built kubectl against this cluster."""
+        cmd = [str(binary("kubectl")), f"--kubeconfig={self.kubeconfig}"]
+        if token is not None:
+            cmd += [f"--token={token}", "--user=none"]
+        return subprocess.run(
+            [*cmd, *args], input=input, text=True, capture_output=True, check=check, timeout=120
+        )
+
+    def env(self) -> dict[str, str]:
+        """Environment for a child process that should talk to this cluster."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    # ---------------------------------------------------------------- internals
+
+    def _start(self, name: str, args: Sequence[str]) -> None:
+        log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            [str(binary(name)), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.workdir,
+            preexec_fn=_die_with_parent if self.tie_to_parent else None,
+            start_new_session=not self.tie_to_parent,
+        )
+        log.close()
+        self.procs[name] = proc
+        state = json.loads(self.state_file.read_text())
+        state["pids"][name] = proc.pid
+        self.state_file.write_text(json.dumps(state))
+
+    def _recorded_pids(self) -> dict[str, int]:
+        if not self.state_file.exists():
+            return {}
+        return {
+            k: int(v) for k, v in json.loads(self.state_file.read_text()).get("pids", {}).items()
+        }
+
+    def _stray_pids(self) -> list[int]:
+        """Processes whose command line mentions this cluster's directory (lost pid files)."""
+        marker = str(self.workdir.resolve()).encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            exe = cmdline.split(b"\0", 1)[0].rsplit(b"/", 1)[-1].decode(errors="replace")
+            if marker in cmdline and exe in COMPONENTS:
+                found.append(int(entry.name))
+        return found
+
+    def _write_credentials(self) -> None:
+        pki = self.workdir / "pki"
+        pki.mkdir(exist_ok=True)
+        if not (pki / "sa.key").exists():
+            subprocess.run(
+                ["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"],
+                check=True,
+                capture_output=True,
+            )
+            subprocess.run(
+                [
+                    "openssl",
+                    "rsa",
+                    "-in",
+                    str(pki / "sa.key"),
+                    "-pubout",
+                    "-out",
+                    str(pki / "sa.pub"),
+                ],
+                check=True,
+                capture_output=True,
+            )
+        (pki / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
+
+    def _write_kubeconfig(self) -> None:
+        ports = self._ports()
+        self.kubeconfig.write_text(f"""apiVersion: v1
+kind: Config
+clusters:
+- name: rljob-local
+  cluster:
+    server: https://127.0.0.1:{ports["apiserver"]}
+    insecure-skip-tls-verify: true
+users:
+- name: admin
+  user:
+    token: {ADMIN_TOKEN}
+contexts:
+- name: rljob-local
+  context: {{cluster: rljob-local, user: admin}}
+current-context: rljob-local
+""")
+
+    def _etcd_args(self, p: dict[str, int]) -> list[str]:
+        return [
+            "--name=rljob-local",
+            f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{p['etcd']}",
+            f"--advertise-client-urls=http://127.0.0.1:{p['etcd']}",
+            f"--listen-peer-urls=http://127.0.0.1:{p['etcd_peer']}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{p['etcd_peer']}",
+            f"--initial-cluster=rljob-local=http://127.0.0.1:{p['etcd_peer']}",
+            "--unsafe-no-fsync",
+            "--quota-backend-bytes=4294967296",
+            "--log-level=warn",
+        ]
+
+    def _apiserver_args(self, p: dict[str, int]) -> list[str]:
+        pki = self.workdir / "pki"
+        return [
+            f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={p['apiserver']}",
+            f"--cert-dir={pki}",
+            f"--token-auth-file={pki / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,DefaultTolerationSeconds,"
+            "ExtendedResourceToleration,LimitRanger,ResourceQuota,Priority",
+            "--endpoint-reconciler-type=none",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--enable-priority-and-fairness=false",
+            "--event-ttl=30m",
+            "--v=1",
+        ]
+
+    def _kcm_args(self, p: dict[str, int]) -> list[str]:
+        pki = self.workdir / "pki"
+        return [
+            f"--kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={p['kcm']}",
+            "--controllers=*",
+            "--leader-elect=false",
+            "--use-service-account-credentials=false",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'apiserver.crt'}",
+            "--node-monitor-grace-period=40s",
+            "--node-monitor-period=2s",
+            "--v=1",
+        ]
+
+    def _scheduler_args(self, p: dict[str, int]) -> list[str]:
+        return [
+            f"--kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={p['sched']}",
+            "--leader-elect=false",
+            "--v=1",
+        ]
+
+    def _kwok_args(self, p: dict[str, int]) -> list[str]:
+        return [
+            f"--kubeconfig={self.kubeconfig}",
+            f"--config={REPO / 'e2e' / 'kwok-stages.yaml'}",
+            "--manage-all-nodes=false",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            "--node-lease-duration-seconds=40",
+            "--cidr=10.0.0.1/16",
+            "--node-ip=10.0.0.1",
+            f"--server-address=127.0.0.1:{p['kwok']}",
+        ]
+
+    def _create_nodes(self) -> None:
+        docs = [self._node(f"gpu-{i}", gpus=self.gpus_per_node) for i in range(self.gpu_nodes)]
+        docs.append(self._node("cpu-0", gpus=0))
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
+        )
+
+    @staticmethod
+    def _node(name: str, *, gpus: int) -> dict[str, object]:
+        resources = {"cpu": "96", "memory": "1Ti", "pods": "110"}
+        labels = {
+            "type": "kwok",
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+        }
+        spec: dict[str, object] = {}
+        if gpus:
+            resources["nvidia.com/gpu"] = str(gpus)
+            labels |= {
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.count": str(gpus),
+                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+            }
+            spec["taints"] = [GPU_TAINT]
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": labels,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            },
+            "spec": spec,
+            "status": {"allocatable": resources, "capacity": resources},
+        }
+
+    def _nodes_ready(self) -> bool:
+        out = self.kubectl("get", "nodes", "-o", "json", check=False)
+        if out.returncode != 0:
+            return False
+        items = json.loads(out.stdout)["items"]
+        ready = [
+            n
+            for n in items
+            if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
+        ]
+        return len(ready) == self.gpu_nodes + 1
+
+    def _api_ok(self, path: str) -> bool:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        req = urllib.request.Request(
+            self.server + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    @staticmethod
+    def _http_ok(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def _wait(self, check: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    log = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")
+                    raise RuntimeError(
+                        f"{name} exited with {proc.returncode} while waiting for "
+                        f"{what}; last log lines:\n{log[-3000:]}"
+                    )
+            if check():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.workdir / 'logs'}"
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m e2e.cluster", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state directory")
+    parser.add_argument("--gpu-nodes", type=int, default=4)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args(argv)
+    cluster = LocalCluster(
+        args.dir.resolve(), gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node
+    )
+    if args.command == "up":
+        seconds = cluster.up(
+            progress=lambda m: print(f"[cluster] {m}", file=sys.stderr, flush=True)
+        )
+        print(
+            f"[cluster] ready in {seconds:.1f}s; export KUBECONFIG={cluster.kubeconfig}",
+            file=sys.stderr,
+        )
+        print(cluster.kubectl("get", "nodes", "-o", "wide").stdout, end="")
+    elif args.command == "down":
+        cluster.down()
+        print(f"[cluster] stopped ({args.dir})", file=sys.stderr)
+    else:
+        print(json.dumps(cluster.status(), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

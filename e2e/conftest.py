@@ -1,0 +1,45 @@
+"""Fixtures for tests that need the local control plane (see e2e/cluster.py)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.helpers import wait_for
+
+_timings: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One real control plane for the whole session; torn down on exit, failure or Ctrl-C."""
+    workdir = Path(tmp_path_factory.mktemp("cluster"))
+    local = LocalCluster(workdir, gpu_nodes=4, tie_to_parent=True)
+    _timings["cluster up-to-ready (s)"] = local.up()
+    try:
+        yield local
+    finally:
+        local.down()
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster) -> Iterator[str]:
+    """A fresh namespace with its default ServiceAccount ready; deleted afterwards."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    wait_for(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+        60,
+        "default ServiceAccount",
+    )
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for what, seconds in _timings.items():
+        terminalreporter.write_line(f"{what}: {seconds:.1f}")
