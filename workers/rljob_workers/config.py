@@ -1,0 +1,193 @@
+"""The worker configuration: the one contract between the operator and the workers.
+
+The operator (and ``rljob run --local``) renders a ``WorkerConfig`` from an RLJob spec into a
+ConfigMap as JSON; every worker process reads it at start-up. What differs per process (role, rank,
+world size, addresses resolved at run time) comes from environment variables, see ``ProcessEnv``.
+Pure: no I/O beyond the explicit ``load``/``dump`` helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["actor", "rollout", "trainer"]
+CONFIG_FILE_ENV = "RLJOB_CONFIG"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OverlongConfig(_Model):
+    enabled: bool = False
+    max_length: int = 16
+    cache_length: int = 4
+
+
+class AlgorithmConfig(_Model):
+    """RL hyper-parameters, already resolved (no 'auto' values)."""
+
+    name: Literal["ppo", "grpo", "dapo"]
+    advantage_estimator: Literal["gae", "grpo", "dr-grpo"]
+    policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis"] = "ppo-clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    gamma: float = 1.0
+    lam: float = 0.95
+    group_size: int = 8
+    dynamic_sampling: bool = False
+    overlong: OverlongConfig = OverlongConfig()
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
+        "token-mean"
+    )
+    learning_rate: float = 1e-6
+    critic_learning_rate: float = 1e-5
+    batch_size: int = 8
+    mini_batch_size: int = 8
+    ppo_epochs: int = 1
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    tis_cap: float = 2.0
+
+
+class ModelConfig(_Model):
+    path: str
+    tokenizer_path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class TaskConfig(_Model):
+    builtin: str | None = "successor"
+    num_prompts: int = 64
+    task_seed: int = 0
+    dataset_path: str | None = None
+    reward_function: str | None = None
+
+
+class SamplingConfig(_Model):
+    n: int = 8
+    max_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+class RolloutConfig(_Model):
+    engine: Literal["vllm", "hf"] = "vllm"
+    replicas: int = 1
+    sampling: SamplingConfig = SamplingConfig()
+
+
+class GradientCompressionConfig(_Model):
+    type: Literal["none", "fp16", "bf16", "powerSGD"] = "none"
+    rank: int = 1
+
+
+class TrainerConfig(_Model):
+    replicas: int = 1
+    gradient_compression: GradientCompressionConfig = GradientCompressionConfig()
+    gradient_checkpointing: bool = False
+
+
+class StalenessConfig(_Model):
+    max_versions: int | None = None
+    max_age_seconds: float | None = None
+    correction: Literal["none", "decoupledPPO", "tis"] = "none"
+    max_policy_lag_ms: float = 50.0
+    degrade_after_seconds: float = 30.0
+    degrade_action: Literal["throttleRollouts", "tightenStaleness", "pauseRollouts"] = (
+        "throttleRollouts"
+    )
+
+
+class BufferConfig(_Model):
+    capacity: int = 4096
+    max_age_seconds: float = 7200.0
+
+
+class WeightSyncConfig(_Model):
+    method: Literal["inProcess", "file", "http", "nccl"] = "inProcess"
+    compression: Literal["none", "bf16", "fp8"] = "none"
+
+
+class CheckpointConfig(_Model):
+    dir: str = "/checkpoints"
+    every_steps: int = 10
+    keep: int = 3
+    resume: bool = True
+
+
+class Endpoints(_Model):
+    """Where the roles find each other: Service DNS names in a cluster, loopback locally."""
+
+    trainer_host: str = "127.0.0.1"
+    rendezvous_port: int = 29500
+    experience_port: int = 29600
+    weights_port: int = 29700
+    metrics_port: int = 9400
+
+
+class WorkerConfig(_Model):
+    """Everything a worker needs; identical for every process of a job."""
+
+    job_name: str
+    job_namespace: str = "default"
+    topology: Literal["colocated", "disaggregated"]
+    algorithm: AlgorithmConfig
+    model: ModelConfig
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    staleness: StalenessConfig = StalenessConfig()
+    buffer: BufferConfig = BufferConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    endpoints: Endpoints = Endpoints()
+    total_steps: int = 100
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    output_dir: str = "/tmp/rljob"
+    config_version: int = Field(1, description="bumped when a change must reach running workers")
+
+    def dump(self) -> str:
+        """Canonical JSON (sorted keys) as stored in the ConfigMap."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1)
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerConfig:
+        return cls.model_validate_json(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> WorkerConfig:
+        return cls.parse(Path(path).read_text())
+
+
+class ProcessEnv(_Model):
+    """Per-process facts, from the environment the operator (or the local runner) sets."""
+
+    role: Role
+    rank: int = 0
+    world_size: int = 1
+    replica: int = 0
+    config_path: str = "/etc/rljob/config.json"
+    token: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ProcessEnv:
+        e = os.environ if env is None else env
+        return cls(
+            role=e.get("RLJOB_ROLE", "actor"),  # type: ignore[arg-type]
+            rank=int(e.get("RLJOB_RANK", "0")),
+            world_size=int(e.get("RLJOB_WORLD_SIZE", "1")),
+            replica=int(e.get("RLJOB_REPLICA", "0")),
+            config_path=e.get(CONFIG_FILE_ENV, "/etc/rljob/config.json"),
+            token=e.get("RLJOB_TOKEN"),
+        )
