@@ -184,7 +184,7 @@ class ProcessEnv(_Model):
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProcessEnv:
         e = os.environ if env is None else env
         return cls(
-            role=e.get("RLJOB_ROLE", "actor"),  # type: ignore[arg-type]
+            role=e.get("RLJOB_ROLE", "actor"),
             rank=int(e.get("RLJOB_RANK", "0")),
             world_size=int(e.get("RLJOB_WORLD_SIZE", "1")),
             replica=int(e.get("RLJOB_REPLICA", "0")),
