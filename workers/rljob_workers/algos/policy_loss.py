@@ -1,0 +1,212 @@
+"""Clipped policy-gradient losses: PPO / DAPO clip-higher, dual clip, decoupled PPO and TIS.
+
+Shapes: ``B`` sequences, ``T`` response token positions; every tensor argument is ``[B, T]``
+(log-probabilities of the sampled tokens, token-level advantages, the response mask).
+Each loss returns ``(per_token_loss [B, T], metrics)``: the loss is 0 at padded positions and
+is reduced by ``aggregate_loss``; metrics are plain floats averaged over the valid tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rljob_workers.algos.stats import check_same_shape, masked_mean
+
+__all__ = ["decoupled_ppo_policy_loss", "ppo_clip_policy_loss", "tis_policy_loss"]
+
+LOG_RATIO_LIMIT = 20.0
+"""Log-ratios are clamped to ``±LOG_RATIO_LIMIT`` before ``exp`` so a wild token cannot overflow."""
+
+
+def _ratio(logp: Tensor, base_logp: Tensor) -> Tensor:
+    return torch.exp(torch.clamp(logp - base_logp, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
+def _check_clip(clip_low: float, clip_high: float) -> None:
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+
+
+def _zero_padding(loss: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask.to(torch.bool), loss, torch.zeros_like(loss))
+
+
+def _ratio_metrics(ratio: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, float]:
+    """Ratio statistics and the k3 estimate of KL(base || current) over valid tokens."""
+    valid = mask.to(torch.bool)
+    if not bool(valid.any()):
+        return {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "approx_kl": 0.0}
+    return {
+        "ratio_mean": float(masked_mean(ratio, mask)),
+        "ratio_min": float(ratio[valid].min()),
+        "ratio_max": float(ratio[valid].max()),
+        "approx_kl": float(masked_mean(ratio - 1.0 - log_ratio, mask)),
+    }
+
+
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token ``max(-A r, -A clip(r))`` and where the clipped term is the active one."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def ppo_clip_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with an asymmetric range (DAPO clip-higher) and optional dual clip.
+
+    With ``r = exp(logp - old_logp)``:
+    ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``. ``clip_high > clip_low`` is
+    DAPO's clip-higher; ``clip_high == clip_low`` is plain PPO. With ``dual_clip = c > 1``, tokens
+    with ``A < 0`` are further bounded: ``loss = min(loss, -c A)`` (Ye et al., 2020), so one huge
+    ratio on a bad token cannot dominate the batch. Clipped tokens get zero gradient.
+
+    Args:
+        logp: ``[B, T]`` current-policy log-probs (differentiable).
+        old_logp: ``[B, T]`` log-probs of the policy that sampled the tokens.
+        advantages: ``[B, T]``.
+        mask: ``[B, T]``.
+        clip_low: lower clip ``eps_low`` in ``[0, 1)``.
+        clip_high: upper clip ``eps_high >= 0``.
+        dual_clip: constant ``c > 1``, or None to disable.
+
+    Returns:
+        ``(per_token_loss [B, T], metrics)`` with ``clip_fraction``, ``dual_clip_fraction``,
+        ``approx_kl`` (k3 estimate of KL(old || current)), ``ratio_mean/min/max``.
+    """
+    check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    _check_clip(clip_low, clip_high)
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    log_ratio = logp - old_logp.detach()
+    ratio = _ratio(logp, old_logp.detach())
+    advantages = advantages.detach()
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    dual_clipped = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_clipped, bound, loss)
+    metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mask)
+    metrics["clip_fraction"] = float(masked_mean(clipped.to(logp.dtype), mask))
+    metrics["dual_clip_fraction"] = float(masked_mean(dual_clipped.to(logp.dtype), mask))
+    return _zero_padding(loss, mask), metrics
+
+
+def decoupled_ppo_policy_loss(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    max_is_weight: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO (Hilton et al., 2022): clip around the proximal policy, correct to behaviour.
+
+    The behaviour policy (a stale rollout engine) sampled the tokens; the proximal policy (the
+    trainer's weights before this update) anchors the trust region. With
+    ``r = exp(logp - prox_logp)`` and the detached weight ``w = exp(prox_logp - behav_logp)``
+    (capped at ``max_is_weight`` when given):
+    ``loss = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+    When ``prox_logp == behav_logp`` this is exactly ``ppo_clip_policy_loss``.
+
+    Args:
+        logp: ``[B, T]`` current-policy log-probs (differentiable).
+        prox_logp: ``[B, T]`` proximal-policy log-probs.
+        behav_logp: ``[B, T]`` behaviour-policy (rollout engine) log-probs.
+        advantages: ``[B, T]``.
+        mask: ``[B, T]``.
+        clip_low: lower clip in ``[0, 1)``.
+        clip_high: upper clip ``>= 0``.
+        max_is_weight: cap on ``w`` (> 0), or None for no cap.
+
+    Returns:
+        ``(per_token_loss [B, T], metrics)``: the PPO metrics plus ``is_weight_mean``,
+        ``is_weight_max`` and ``is_weight_capped_fraction``.
+    """
+    check_same_shape(
+        logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask
+    )
+    _check_clip(clip_low, clip_high)
+    if max_is_weight is not None and max_is_weight <= 0.0:
+        raise ValueError(f"max_is_weight must be > 0 (or None), got {max_is_weight}")
+    prox_logp, behav_logp = prox_logp.detach(), behav_logp.detach()
+    ratio = _ratio(logp, prox_logp)
+    surrogate, clipped = _clipped_surrogate(ratio, advantages.detach(), clip_low, clip_high)
+    raw_weight = _ratio(prox_logp, behav_logp)
+    weight = raw_weight if max_is_weight is None else torch.clamp(raw_weight, max=max_is_weight)
+    metrics = _ratio_metrics(ratio.detach(), (logp - prox_logp).detach(), mask)
+    metrics["clip_fraction"] = float(masked_mean(clipped.to(logp.dtype), mask))
+    metrics.update(_weight_metrics(raw_weight, weight, mask))
+    return _zero_padding(weight * surrogate, mask), metrics
+
+
+def _weight_metrics(raw_weight: Tensor, weight: Tensor, mask: Tensor) -> dict[str, float]:
+    valid = mask.to(torch.bool)
+    capped = (raw_weight > weight).to(weight.dtype)
+    return {
+        "is_weight_mean": float(masked_mean(weight, mask)),
+        "is_weight_max": float(weight[valid].max()) if bool(valid.any()) else 1.0,
+        "is_weight_capped_fraction": float(masked_mean(capped, mask)),
+    }
+
+
+def tis_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clip times a truncated importance weight for the rollout/trainer mismatch (TIS).
+
+    The rollout engine's log-probs (``behav_logp``) differ from the trainer's recomputation of
+    the same policy (``old_logp``: other kernels, precision, or a stale version). With
+    ``r = exp(logp - old_logp)`` and the detached ``w = min(exp(old_logp - behav_logp), tis_cap)``:
+    ``loss = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+
+    Args:
+        logp: ``[B, T]`` current-policy log-probs (differentiable).
+        old_logp: ``[B, T]`` trainer log-probs of the sampling policy.
+        behav_logp: ``[B, T]`` rollout-engine log-probs of the sampled tokens.
+        advantages: ``[B, T]``.
+        mask: ``[B, T]``.
+        clip_low: lower clip in ``[0, 1)``.
+        clip_high: upper clip ``>= 0``.
+        tis_cap: truncation ``C > 0`` of the importance weight.
+
+    Returns:
+        ``(per_token_loss [B, T], metrics)`` as ``decoupled_ppo_policy_loss``.
+    """
+    if tis_cap <= 0.0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    return decoupled_ppo_policy_loss(
+        logp,
+        old_logp,
+        behav_logp,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        max_is_weight=tis_cap,
+    )
