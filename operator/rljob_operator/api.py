@@ -1,0 +1,1216 @@
+"""The RLJob API: pydantic models of the ``rljob.io/v1alpha1`` ``RLJob`` custom resource.
+
+These models are the one source of truth for the resource: ``rljob_operator.crdgen`` generates the
+CRD (structural schema, defaults, CEL rules, printer columns) from them, and the operator parses
+every object it reads with ``parse_rljob``. Field descriptions become ``kubectl explain`` text.
+
+Cross-field constraints are ``CelRule`` objects: each carries its CEL expression (emitted as an
+``x-kubernetes-validations`` entry, checked by the API server) and a Python twin that reads the
+same camelCase JSON (checked here), with one message naming the field path and the fix.
+
+Pure: no kopf, no Kubernetes client, no environment, no clock.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Final, Literal, Self, get_args, get_origin
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
+from pydantic_core import PydanticCustomError
+
+GROUP: Final = "rljob.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = "rljob.io/v1alpha1"
+KIND: Final = "RLJob"
+LIST_KIND: Final = "RLJobList"
+PLURAL: Final = "rljobs"
+SINGULAR: Final = "rljob"
+SHORT_NAMES = ("rlj",)
+CATEGORIES = ("all", "rl")
+
+AlgorithmName = Literal["ppo", "grpo", "dapo"]
+Topology = Literal["colocated", "disaggregated", "auto"]
+ResolvedTopology = Literal["colocated", "disaggregated"]
+Objective = Literal["latency", "utilization"]
+AdvantageEstimator = Literal["gae", "grpo", "dr-grpo"]
+StalenessCorrection = Literal["none", "decoupledPPO", "tis"]
+WeightSyncMethod = Literal["inProcess", "file", "http", "nccl"]
+Phase = Literal["Pending", "Running", "Degraded", "Restarting", "Suspended", "Succeeded", "Failed"]
+
+ON_POLICY_ALGORITHMS: tuple[AlgorithmName, ...] = ("ppo", "grpo")
+RULE_ERROR = "rljob_rule"
+"""pydantic error type of a failed cross-field rule; its message already names the path."""
+
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+_QUANTITY = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_GPU_RESOURCE = "nvidia.com/gpu"
+_PATH_MAX = 1024
+_NAME_MAX = 253
+_LIST_MAX = 64
+
+
+def _quantity(value: object) -> int | str:
+    """Accept a Kubernetes quantity (``2``, ``"500m"``, ``"16Gi"``) as int or string."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and re.fullmatch(_QUANTITY, value):
+        return value
+    raise PydanticCustomError(
+        "quantity", "must be a Kubernetes quantity such as 2, '500m' or '16Gi'"
+    )
+
+
+Quantity = Annotated[
+    int | str,
+    PlainValidator(_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": _QUANTITY,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+
+JsonObject = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """One cross-field constraint, enforced by the API server (CEL) and by pydantic (Python).
+
+    ``holds`` is the Python twin of ``rule``: it reads the same camelCase JSON that CEL sees as
+    ``self`` (defaults applied, unset optional fields absent). ``message`` names the field path
+    and the fix; ``render``/``message_expression`` make it specific to the object when set.
+    """
+
+    rule: str
+    message: str
+    holds: Callable[[JsonObject], bool]
+    field_path: str | None = None
+    reason: Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"] = (
+        "FieldValueInvalid"
+    )
+    message_expression: str | None = None
+    render: Callable[[JsonObject], str] | None = None
+
+    def explain(self, obj: JsonObject) -> str:
+        """The error message for ``obj``, which violates this rule."""
+        return self.render(obj) if self.render else self.message
+
+    def to_validation(self) -> dict[str, str]:
+        """This rule as one ``x-kubernetes-validations`` entry."""
+        entry = {"rule": self.rule, "message": self.message, "reason": self.reason}
+        if self.field_path:
+            entry["fieldPath"] = self.field_path
+        if self.message_expression:
+            entry["messageExpression"] = self.message_expression
+        return entry
+
+
+def _attach_cel_rules(schema: JsonDict, cls: type[Any]) -> None:
+    rules: tuple[CelRule, ...] = getattr(cls, "cel_rules", ())
+    if rules:
+        validations: list[JsonValue] = [dict(r.to_validation()) for r in rules]
+        schema["x-kubernetes-validations"] = validations
+
+
+class SpecModel(BaseModel):
+    """Base of the spec models: camelCase aliases, unknown fields rejected, CEL rules enforced."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        json_schema_extra=_attach_cel_rules,
+    )
+    cel_rules: ClassVar[tuple[CelRule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _enforce_cel_rules(self) -> Self:
+        if not self.cel_rules:
+            return self
+        view = self.model_dump(by_alias=True, exclude_none=True, mode="json")
+        failed = [rule.explain(view) for rule in self.cel_rules if not rule.holds(view)]
+        if failed:
+            raise PydanticCustomError(
+                RULE_ERROR, "{message}", {"message": "\n".join(failed), "messages": failed}
+            )
+        return self
+
+
+class StatusModel(BaseModel):
+    """Base of the status models: camelCase aliases; unknown fields ignored (written by others)."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
+
+
+def _nested(model: type[BaseModel], description: str) -> Any:
+    """A defaulted nested object; ``default: {}`` in the CRD lets the server apply its defaults."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+
+
+def _uses_groups(algorithm: JsonObject) -> bool:
+    """Whether advantages are group-relative (grpo, dr-grpo), i.e. need several samples a prompt."""
+    estimator = algorithm.get("advantageEstimator")
+    if estimator is not None:
+        return bool(estimator != "gae")
+    return bool(algorithm["name"] != "ppo")
+
+
+_USES_GROUPS_CEL = (
+    "(has(self.advantageEstimator) ? self.advantageEstimator != 'gae' : self.name != 'ppo')"
+)
+
+
+# --------------------------------------------------------------------------------- algorithm
+
+
+class OverlongBuffer(SpecModel):
+    """DAPO soft overlong punishment: responses longer than maxLength - cacheLength tokens get a
+    reward penalty that grows linearly to -1 at maxLength."""
+
+    enabled: bool = Field(False, description="Apply the overlong penalty to the reward.")
+    max_length: int = Field(
+        1024,
+        ge=1,
+        le=1_048_576,
+        description="Length in tokens where the penalty reaches -1. Normally equal to "
+        "spec.rollout.sampling.maxTokens, and never larger.",
+    )
+    cache_length: int = Field(
+        256,
+        ge=0,
+        le=1_048_576,
+        description="Width in tokens of the penalty ramp that ends at maxLength "
+        "(DAPO's L_cache, e.g. 4096 of 20480). Must be smaller than maxLength.",
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="self.cacheLength < self.maxLength",
+            message="spec.algorithm.overlongBuffer.cacheLength must be < "
+            "spec.algorithm.overlongBuffer.maxLength (the penalty ramps over the last "
+            "cacheLength tokens before maxLength); lower cacheLength or raise maxLength",
+            holds=lambda o: o["cacheLength"] < o["maxLength"],
+            field_path=".cacheLength",
+        ),
+    )
+
+
+class Algorithm(SpecModel):
+    """The RL algorithm and its hyper-parameters (names follow verl where they overlap)."""
+
+    name: AlgorithmName = Field(
+        description="ppo: actor-critic with GAE advantages (trains a value model). grpo: "
+        "group-relative advantages, no critic. dapo: GRPO plus clip-higher, dynamic sampling, "
+        "token-level loss and overlong shaping. ppo and grpo are on-policy and need a colocated "
+        "topology unless spec.staleness sets a correction and a bound."
+    )
+    clip_ratio_low: float = Field(
+        0.2, gt=0, lt=1, description="ε_low: the importance ratio is clipped below at 1 - ε_low."
+    )
+    clip_ratio_high: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="ε_high: the importance ratio is clipped above at 1 + ε_high. Equal to "
+        "clipRatioLow for PPO/GRPO; DAPO's clip-higher typically uses 0.28. Must be >= "
+        "clipRatioLow.",
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        le=100,
+        description="Dual-clip constant c > 1 (e.g. 3.0): bounds the loss of negative-advantage "
+        "tokens at c × advantage. Unset: no dual clip.",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="Weight of the KL penalty to the reference model; 0 disables it.",
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3",
+        description="KL estimator: k1 (log-ratio, unbiased, high variance) or k3 "
+        "(ratio - 1 - log-ratio, non-negative, low variance).",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor for GAE.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ (bias/variance trade-off).")
+    group_size: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Responses sampled per prompt for group-relative advantages (grpo, dapo, "
+        "or advantageEstimator grpo/dr-grpo); at least 2 there.",
+    )
+    advantage_estimator: AdvantageEstimator | None = Field(
+        None,
+        description="gae (needs the value model: ppo only), grpo (group-normalised: (r - mean) / "
+        "std) or dr-grpo (group mean removed, no std division). Unset: gae for ppo, grpo for "
+        "grpo and dapo.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
+        "advantage) and keep sampling until the batch is full.",
+    )
+    overlong_buffer: OverlongBuffer = _nested(
+        OverlongBuffer, "DAPO overlong reward shaping for responses near the length limit."
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean",
+        description="How per-token losses become one number: token-mean (every token weighs "
+        "the same; DAPO), seq-mean-token-mean (mean per sequence, then over sequences; "
+        "original GRPO) or seq-mean-token-sum (sum per sequence, then mean; Dr. GRPO).",
+    )
+    learning_rate: float = Field(1e-6, gt=0, le=1, description="Actor (policy) learning rate.")
+    critic_learning_rate: float = Field(
+        1e-5, gt=0, le=1, description="Value-model learning rate; used only with gae (ppo)."
+    )
+    batch_size: int = Field(
+        64, ge=1, le=1_000_000, description="Prompts per training step (before group sampling)."
+    )
+    mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Prompts per optimizer update; a step makes ppoEpochs × batchSize / "
+        "miniBatchSize updates. Unset: batchSize (one update per epoch).",
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, le=100, description="Passes over each step's batch (PPO epochs)."
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, le=10, description="Entropy bonus weight; 0 disables it."
+    )
+    max_grad_norm: float = Field(
+        1.0, gt=0, le=1e6, description="Global gradient-norm clipping threshold."
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="self.clipRatioHigh >= self.clipRatioLow",
+            message="spec.algorithm.clipRatioHigh must be >= spec.algorithm.clipRatioLow "
+            "(clip-higher only widens the upper bound); raise clipRatioHigh or lower clipRatioLow",
+            holds=lambda a: a["clipRatioHigh"] >= a["clipRatioLow"],
+            field_path=".clipRatioHigh",
+        ),
+        CelRule(
+            rule=f"!{_USES_GROUPS_CEL} || self.groupSize >= 2",
+            message="spec.algorithm.groupSize must be >= 2 for grpo and dapo (advantages are "
+            "relative to the other responses to the same prompt); set groupSize to 2 or more, "
+            "e.g. 8",
+            holds=lambda a: not _uses_groups(a) or a["groupSize"] >= 2,
+            field_path=".groupSize",
+        ),
+        CelRule(
+            rule="!has(self.advantageEstimator) || self.advantageEstimator != 'gae' "
+            "|| self.name == 'ppo'",
+            message="spec.algorithm.advantageEstimator: gae needs a value model, which only ppo "
+            "trains; remove advantageEstimator or set spec.algorithm.name to ppo",
+            holds=lambda a: a.get("advantageEstimator") != "gae" or a["name"] == "ppo",
+            field_path=".advantageEstimator",
+        ),
+        CelRule(
+            rule="!has(self.miniBatchSize) || self.miniBatchSize <= self.batchSize",
+            message="spec.algorithm.miniBatchSize must be <= spec.algorithm.batchSize (it splits "
+            "one step's prompts into optimizer updates); lower miniBatchSize or remove it",
+            holds=lambda a: a.get("miniBatchSize", 0) <= a["batchSize"],
+            field_path=".miniBatchSize",
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------ model, task
+
+
+class ModelVolume(SpecModel):
+    """A PersistentVolumeClaim holding the model, mounted read-only into every pod."""
+
+    claim_name: str = Field(
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="Name of the PersistentVolumeClaim (same namespace) that holds the model.",
+    )
+    mount_path: str = Field(
+        "/models",
+        max_length=_PATH_MAX,
+        pattern=r"^/",
+        description="Where the claim is mounted; spec.model.path should lie under it.",
+    )
+
+
+class Model(SpecModel):
+    """The policy model to train. Nothing is downloaded at run time: the weights must already be
+    on a volume the pods mount (spec.model.volume) or baked into the image."""
+
+    path: str = Field(
+        max_length=_PATH_MAX,
+        pattern=r"^/",
+        description="Absolute path, inside the pods, of a Hugging Face model directory "
+        "(config.json + safetensors), e.g. /models/tiny-qwen2.",
+    )
+    tokenizer_path: str | None = Field(
+        None,
+        max_length=_PATH_MAX,
+        pattern=r"^/",
+        description="Absolute path of the tokenizer directory. Unset: spec.model.path.",
+    )
+    volume: ModelVolume | None = Field(
+        None, description="PVC holding the model, mounted read-only. Unset: no volume is mounted."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Parameter dtype for rollout and training."
+    )
+
+
+class BuiltinTask(SpecModel):
+    """A verifiable toy task generated locally by the workers (no dataset download)."""
+
+    name: Literal["copy", "successor", "add-mod10"] = Field(
+        description="copy: repeat the prompt. successor: the next character of each digit/letter. "
+        "add-mod10: the sum of two digits modulo 10."
+    )
+    num_prompts: int = Field(256, ge=1, le=1_000_000, description="Prompts to generate.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the prompt generator.")
+
+
+class Reward(SpecModel):
+    """How a response is scored."""
+
+    function: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_IMPORT_PATH,
+        description="Import path 'module:function' of a reward function (prompt, response, "
+        "answer) -> float, importable in the worker image. Unset: the built-in exact-match "
+        "reward (1.0 when the response equals the answer, else 0.0).",
+    )
+
+
+class Task(SpecModel):
+    """The prompts to train on and their reward: exactly one of builtin and datasetPath."""
+
+    builtin: BuiltinTask | None = Field(None, description="A built-in toy task.")
+    dataset_path: str | None = Field(
+        None,
+        max_length=_PATH_MAX,
+        pattern=r"^/",
+        description="Absolute path, inside the pods, of a JSONL file with one "
+        '{"prompt": ..., "answer": ...} object per line.',
+    )
+    reward: Reward = _nested(Reward, "Reward function.")
+    long_chain_reasoning: bool = Field(
+        False,
+        description="Responses are long chains of reasoning (long, variable generation time). "
+        "With topology auto this favours disaggregated for dapo or staleness-corrected jobs.",
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="has(self.builtin) != has(self.datasetPath)",
+            message="spec.task: set exactly one of spec.task.builtin and spec.task.datasetPath",
+            holds=lambda t: ("builtin" in t) != ("datasetPath" in t),
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------- rollout, trainer
+
+
+class Resources(SpecModel):
+    """CPU/memory requests and limits per pod, as Kubernetes quantities. GPUs are set with
+    gpusPerReplica, not here."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}.",
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Maximum resources, e.g. {memory: 48Gi}.",
+    )
+
+
+def _no_gpu_in_resources(role: str) -> CelRule:
+    def holds(r: JsonObject) -> bool:
+        res = r.get("resources", {})
+        return all(_GPU_RESOURCE not in res.get(k, {}) for k in ("requests", "limits"))
+
+    return CelRule(
+        rule="!has(self.resources) || ("
+        f"(!has(self.resources.requests) || !('{_GPU_RESOURCE}' in self.resources.requests)) && "
+        f"(!has(self.resources.limits) || !('{_GPU_RESOURCE}' in self.resources.limits)))",
+        message=f"spec.{role}.resources: do not set {_GPU_RESOURCE} here; "
+        f"set spec.{role}.gpusPerReplica instead",
+        holds=holds,
+        field_path=".resources",
+        reason="FieldValueForbidden",
+    )
+
+
+class Sampling(SpecModel):
+    """Rollout sampling parameters (vLLM SamplingParams)."""
+
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Responses per prompt. Unset: spec.algorithm.groupSize for grpo/dapo, 1 for "
+        "ppo. With group-relative advantages it must equal groupSize.",
+    )
+    max_tokens: int = Field(1024, ge=1, le=1_048_576, description="Maximum response length.")
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+
+
+class Rollout(SpecModel):
+    """Rollout (generation) engines. Disaggregated: one pod per replica, elastic between
+    minReplicas and maxReplicas. Colocated: the engine runs inside each of the
+    spec.trainer.replicas actor pods and replicas/minReplicas/maxReplicas are not used."""
+
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="vllm (fast, paged attention) or hf (transformers generate; reference)."
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Rollout pods (disaggregated). Target of the scale subresource "
+        "(kubectl scale rljob/NAME --replicas=N); to pause use spec.suspend.",
+    )
+    min_replicas: int | None = Field(
+        None, ge=1, le=1024, description="Lower bound for elastic scaling. Unset: no lower bound."
+    )
+    max_replicas: int | None = Field(
+        None, ge=1, le=1024, description="Upper bound for elastic scaling. Unset: no upper bound."
+    )
+    gpus_per_replica: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="nvidia.com/gpu per rollout pod (tensor-parallel size); 0 = CPU.",
+    )
+    sampling: Sampling = _nested(Sampling, "Sampling parameters.")
+    resources: Resources = _nested(Resources, "CPU/memory per rollout pod.")
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.minReplicas) || self.minReplicas <= self.replicas",
+            message="spec.rollout.minReplicas must be <= spec.rollout.replicas; lower minReplicas "
+            "or raise replicas",
+            holds=lambda r: r.get("minReplicas", 0) <= r["replicas"],
+            field_path=".minReplicas",
+        ),
+        CelRule(
+            rule="!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            message="spec.rollout.replicas must be <= spec.rollout.maxReplicas; lower replicas "
+            "or raise maxReplicas",
+            holds=lambda r: "maxReplicas" not in r or r["replicas"] <= r["maxReplicas"],
+            field_path=".replicas",
+        ),
+        _no_gpu_in_resources("rollout"),
+    )
+
+
+class GradientCompression(SpecModel):
+    """Compression of gradient all-reduce between trainer pods (DDP communication hook)."""
+
+    type: Literal["none", "fp16", "bf16", "powerSGD"] = Field(
+        "none",
+        description="none, fp16/bf16 (cast before all-reduce, halves traffic) or powerSGD "
+        "(low-rank, needs rank). Worth it across nodes, i.e. mostly disaggregated.",
+    )
+    rank: int | None = Field(
+        None, ge=1, le=1024, description="PowerSGD matrix rank (e.g. 4); required for powerSGD."
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="self.type != 'powerSGD' || has(self.rank)",
+            message="spec.trainer.gradientCompression.rank: powerSGD needs rank >= 1 (e.g. 4); "
+            "set rank or pick type none, fp16 or bf16",
+            holds=lambda g: g["type"] != "powerSGD" or g.get("rank", 0) >= 1,
+            field_path=".rank",
+            reason="FieldValueRequired",
+        ),
+    )
+
+
+class Trainer(SpecModel):
+    """Trainer pods (DDP). Colocated: the actor pods, each running engine and trainer."""
+
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Trainer pods (data-parallel world size). Colocated: the actor group size.",
+    )
+    gpus_per_replica: int = Field(
+        1, ge=0, le=64, description="nvidia.com/gpu per trainer pod; 0 = CPU (gloo)."
+    )
+    resources: Resources = _nested(Resources, "CPU/memory per trainer pod.")
+    gradient_compression: GradientCompression = _nested(
+        GradientCompression, "Gradient all-reduce compression."
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass: less memory, ~30% more compute. "
+        "Recommended on GPUs with less than 80 GB.",
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (_no_gpu_in_resources("trainer"),)
+
+
+# ------------------------------------------------------------------ staleness, buffer, sync
+
+
+class Staleness(SpecModel):
+    """How stale the data a trainer consumes may be, and what happens when policy lag grows."""
+
+    max_versions: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Drop trajectories generated by a policy more than this many versions "
+        "behind the trainer. Required (with correction) for ppo/grpo on disaggregated.",
+    )
+    max_age_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=604_800,
+        description="Drop trajectories older than this when the trainer consumes them. "
+        "Unset: only spec.buffer.maxAgeSeconds applies.",
+    )
+    correction: StalenessCorrection = Field(
+        "none",
+        description="Off-policy correction for stale samples: none, decoupledPPO (clip "
+        "against a proximal policy, weight by behaviour ratio) or tis (truncated importance "
+        "sampling).",
+    )
+    max_policy_lag_ms: float = Field(
+        50.0,
+        ge=0,
+        le=86_400_000,
+        description="Policy-lag alert threshold (ms). When status.policyLagMs stays above it for "
+        "degradeAfterSeconds the job turns Degraded and degradeAction applies. 50 ms suits "
+        "colocated jobs; disaggregated jobs lag by seconds and need a larger value, e.g. 10000.",
+    )
+    degrade_after_seconds: float = Field(
+        30.0, ge=0, le=86_400, description="How long the lag must stay above the threshold."
+    )
+    degrade_action: Literal["throttleRollouts", "tightenStaleness", "pauseRollouts"] = Field(
+        "throttleRollouts",
+        description="throttleRollouts (fewer rollout replicas, down to minReplicas), "
+        "tightenStaleness (halve maxVersions/maxAgeSeconds) or pauseRollouts (until the "
+        "trainer catches up).",
+    )
+
+
+class Buffer(SpecModel):
+    """Experience buffer between rollouts and trainers (disaggregated)."""
+
+    capacity: int = Field(
+        4096, ge=1, le=10_000_000, description="Trajectories held; the oldest go first when full."
+    )
+    max_age_seconds: float = Field(
+        7200.0,
+        gt=0,
+        le=604_800,
+        description="Expiry: trajectories older than this are discarded so stale data never "
+        "piles up (field guide: 2 hours).",
+    )
+
+
+class WeightSync(SpecModel):
+    """How new policy weights reach the rollout engines."""
+
+    method: WeightSyncMethod | None = Field(
+        None,
+        description="inProcess (colocated only), file (shared volume), http (trainer serves "
+        "versioned weights) or nccl (GPU broadcast). Unset: inProcess when colocated, http when "
+        "disaggregated.",
+    )
+    compression: Literal["none", "bf16", "fp8"] = Field(
+        "none", description="Compress weights in transit (disaggregated): none, bf16 or fp8."
+    )
+
+
+class Checkpoint(SpecModel):
+    """Trainer checkpoints; a restarted job resumes from the newest one."""
+
+    claim_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="PersistentVolumeClaim for checkpoints. Unset: an emptyDir, which survives "
+        "container restarts but not pod deletion.",
+    )
+    path: str = Field(
+        "/checkpoints", max_length=_PATH_MAX, pattern=r"^/", description="Mount path in the pods."
+    )
+    every_steps: int = Field(50, ge=1, le=1_000_000, description="Checkpoint every N steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
+
+
+class FailurePolicy(SpecModel):
+    """Restarts after pod failures: per role, with exponential backoff."""
+
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Restarts allowed per role before the job is Failed; 0 fails at once.",
+    )
+    backoff_seconds: float = Field(
+        10.0, ge=0, le=86_400, description="Delay before the first restart; doubles each time."
+    )
+    max_backoff_seconds: float = Field(
+        300.0, ge=0, le=86_400, description="Upper bound of the restart delay."
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="self.backoffSeconds <= self.maxBackoffSeconds",
+            message="spec.failurePolicy.backoffSeconds must be <= "
+            "spec.failurePolicy.maxBackoffSeconds; lower backoffSeconds or raise "
+            "maxBackoffSeconds",
+            holds=lambda f: f["backoffSeconds"] <= f["maxBackoffSeconds"],
+            field_path=".backoffSeconds",
+        ),
+    )
+
+
+class Toleration(SpecModel):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(None, max_length=317, description="Taint key; empty with Exists: all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match. Unset: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint."
+    )
+
+
+class Scheduling(SpecModel):
+    """Placement and batch-scheduler interop (Kueue, Volcano, scheduler-plugins)."""
+
+    scheduler_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="Scheduler for all pods, e.g. volcano. Unset: the default scheduler.",
+    )
+    priority_class_name: str | None = Field(
+        None, max_length=_NAME_MAX, pattern=_DNS_SUBDOMAIN, description="PriorityClass of the pods."
+    )
+    gang: bool = Field(
+        False,
+        description="Schedule all pods of the job together or none (a PodGroup for Volcano / "
+        "scheduler-plugins coscheduling).",
+    )
+    queue: str | None = Field(
+        None,
+        max_length=63,
+        pattern=_DNS_LABEL,
+        description="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name); Kueue admits the "
+        "job by clearing spec.suspend.",
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Node labels the pods require."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Tolerations added to every pod (GPU taints are tolerated automatically).",
+    )
+
+
+class EnvVar(SpecModel):
+    """An environment variable for the worker containers."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=_NAME_MAX,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="Variable name.",
+    )
+    value: str = Field("", max_length=32_768, description="Variable value.")
+
+
+# ------------------------------------------------------------------------------------ spec
+
+
+def _on_policy_bounded(s: JsonObject) -> bool:
+    staleness = s["staleness"]
+    return bool(staleness["correction"] != "none" and "maxVersions" in staleness)
+
+
+_ON_POLICY_FIX = (
+    " is on-policy; with topology disaggregated set spec.staleness.correction "
+    "(decoupledPPO|tis) and spec.staleness.maxVersions"
+)
+
+
+class RLJobSpec(SpecModel):
+    """Desired state of an RL post-training job."""
+
+    algorithm: Algorithm = Field(description="RL algorithm and hyper-parameters.")
+    topology: Topology = Field(
+        "auto",
+        description="colocated: N actor pods, each alternating generate → train → reload in one "
+        "process (policy lag ~0). disaggregated: rollout pods and trainer pods run concurrently "
+        "(lag of seconds, elastic rollouts). auto: chosen from the algorithm, staleness, "
+        "objective and task; the result is in status.resolvedTopology.",
+    )
+    objective: Objective = Field(
+        "latency",
+        description="What topology auto optimises: latency (policy freshness: colocated) or "
+        "utilization (GPU busy time: disaggregated when the algorithm tolerates stale data).",
+    )
+    model: Model = Field(description="The policy model.")
+    task: Task = Field(description="Prompts and reward.")
+    rollout: Rollout = _nested(Rollout, "Rollout engines.")
+    trainer: Trainer = _nested(Trainer, "Trainers.")
+    staleness: Staleness = _nested(Staleness, "Staleness bounds and policy-lag degrade rule.")
+    buffer: Buffer = _nested(Buffer, "Experience buffer.")
+    weight_sync: WeightSync = _nested(WeightSync, "Weight synchronisation trainer → rollouts.")
+    checkpoint: Checkpoint = _nested(Checkpoint, "Checkpointing.")
+    failure_policy: FailurePolicy = _nested(FailurePolicy, "Restart policy.")
+    suspend: bool = Field(
+        False,
+        description="Delete the job's pods and keep the object (checkpoints stay); set back to "
+        "false to resume. Kueue manages this field for queued jobs.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None,
+        ge=0,
+        le=31_536_000,
+        description="Delete the RLJob this many seconds after it Succeeded or Failed. Unset: "
+        "keep it.",
+    )
+    scheduling: Scheduling = _nested(Scheduling, "Scheduling and queueing.")
+    image: str | None = Field(
+        None,
+        max_length=512,
+        description="Worker container image. Unset: the image the operator was installed with.",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy of the worker containers."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra environment variables for every worker container.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    service_account_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="ServiceAccount of the worker pods. Unset: the namespace's default.",
+    )
+    total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Random seed for sampling and training.")
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!(self.topology == 'disaggregated' && self.algorithm.name in ['ppo', 'grpo']) "
+            "|| (self.staleness.correction != 'none' && has(self.staleness.maxVersions))",
+            message="spec.algorithm: ppo and grpo are on-policy; with topology disaggregated "
+            "set spec.staleness.correction (decoupledPPO|tis) and spec.staleness.maxVersions",
+            message_expression=f"'spec.algorithm: ' + self.algorithm.name + '{_ON_POLICY_FIX}'",
+            holds=lambda s: (
+                not (
+                    s["topology"] == "disaggregated"
+                    and s["algorithm"]["name"] in ON_POLICY_ALGORITHMS
+                )
+                or _on_policy_bounded(s)
+            ),
+            render=lambda s: f"spec.algorithm: {s['algorithm']['name']}{_ON_POLICY_FIX}",
+            field_path=".staleness",
+            reason="FieldValueRequired",
+        ),
+        CelRule(
+            rule="!has(self.rollout.sampling.n) || "
+            f"!{_USES_GROUPS_CEL.replace('self.', 'self.algorithm.')} || "
+            "self.rollout.sampling.n == self.algorithm.groupSize",
+            message="spec.rollout.sampling.n must equal spec.algorithm.groupSize with "
+            "group-relative advantages (grpo, dapo); remove n or set it to groupSize",
+            holds=lambda s: (
+                "n" not in s["rollout"]["sampling"]
+                or not _uses_groups(s["algorithm"])
+                or s["rollout"]["sampling"]["n"] == s["algorithm"]["groupSize"]
+            ),
+            field_path=".rollout.sampling.n",
+        ),
+        CelRule(
+            rule="!has(self.weightSync.method) || self.weightSync.method != 'inProcess' "
+            "|| self.topology == 'colocated'",
+            message="spec.weightSync.method: inProcess needs spec.topology colocated (engine and "
+            "trainer share a process); set spec.topology colocated or use file, http or nccl",
+            holds=lambda s: (
+                s["weightSync"].get("method") != "inProcess" or s["topology"] == "colocated"
+            ),
+            field_path=".weightSync.method",
+        ),
+        CelRule(
+            rule="!self.algorithm.overlongBuffer.enabled || "
+            "self.algorithm.overlongBuffer.maxLength <= self.rollout.sampling.maxTokens",
+            message="spec.algorithm.overlongBuffer.maxLength must be <= "
+            "spec.rollout.sampling.maxTokens (responses stop at maxTokens, so a longer limit "
+            "never penalises anything); set maxLength to maxTokens",
+            holds=lambda s: (
+                not s["algorithm"]["overlongBuffer"]["enabled"]
+                or s["algorithm"]["overlongBuffer"]["maxLength"]
+                <= s["rollout"]["sampling"]["maxTokens"]
+            ),
+            field_path=".algorithm.overlongBuffer.maxLength",
+        ),
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env_names(cls, env: list[EnvVar]) -> list[EnvVar]:
+        seen: set[str] = set()
+        for i, var in enumerate(env):
+            if var.name in seen:
+                raise PydanticCustomError(
+                    RULE_ERROR,
+                    "{message}",
+                    {"message": f"spec.env[{i}].name: {var.name} is set twice; keep one entry"},
+                )
+            seen.add(var.name)
+        return env
+
+
+# ---------------------------------------------------------------------------------- status
+
+
+class Condition(StatusModel):
+    """A status condition (the metav1.Condition shape)."""
+
+    type: str = Field(
+        max_length=316,
+        description="Created, Running, Degraded, Restarting, Suspended, Succeeded or Failed.",
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1, max_length=1024, description="CamelCase reason for the last transition."
+    )
+    message: str = Field("", max_length=32_768, description="Human-readable details.")
+    last_transition_time: AwareDatetime = Field(description="When status last changed.")
+    observed_generation: int | None = Field(
+        None, ge=0, description="metadata.generation the condition was computed from."
+    )
+
+
+class RoleStatus(StatusModel):
+    """Ready and desired pods of one role."""
+
+    ready: int = Field(0, ge=0, description="Pods running and ready.")
+    desired: int = Field(0, ge=0, description="Pods the operator wants.")
+
+
+class Restarts(StatusModel):
+    """Restarts so far, per role (colocated actors count as trainer)."""
+
+    rollout: int = Field(0, ge=0, description="Rollout pod restarts.")
+    trainer: int = Field(0, ge=0, description="Trainer (or actor) pod restarts.")
+
+
+class CheckpointStatus(StatusModel):
+    """The newest complete checkpoint."""
+
+    step: int = Field(ge=0, description="Training step of the checkpoint.")
+    path: str = Field(max_length=_PATH_MAX, description="Checkpoint directory in the pods.")
+    time: AwareDatetime | None = Field(None, description="When it was written.")
+
+
+class RLJobStatus(StatusModel):
+    """Observed state, written by the operator."""
+
+    phase: Phase = Field(
+        "Pending",
+        description="Pending, Running, Degraded (lag above threshold), Restarting, Suspended, "
+        "Succeeded or Failed.",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Latest observations, one per type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = Field(
+        None, ge=0, description="metadata.generation the operator last acted on."
+    )
+    resolved_topology: ResolvedTopology | None = Field(
+        None, description="The topology in use (spec.topology with auto resolved)."
+    )
+    rollout: RoleStatus = Field(
+        default_factory=RoleStatus, description="Rollout pods (colocated: actor pods)."
+    )
+    trainer: RoleStatus = Field(
+        default_factory=RoleStatus, description="Trainer pods (colocated: actor pods)."
+    )
+    rollout_replicas: int | None = Field(
+        None, ge=0, description="Rollout pods that exist (scale subresource status replicas)."
+    )
+    rollout_selector: str | None = Field(
+        None,
+        max_length=1024,
+        description="Label selector of the rollout pods (scale subresource, used by HPA).",
+    )
+    rollout_ready_text: str | None = Field(
+        None, max_length=32, description="Ready/desired rollout pods as text, e.g. 2/3."
+    )
+    policy_version: int | None = Field(
+        None, ge=0, description="Newest policy version published by the trainer."
+    )
+    step: int | None = Field(None, ge=0, description="Training steps completed.")
+    policy_lag_ms: float | None = Field(
+        None, ge=0, description="Policy lag in ms: age of the weights the rollouts sample with."
+    )
+    buffer_age_seconds: float | None = Field(
+        None, ge=0, description="Age of the oldest trajectory in the experience buffer."
+    )
+    restarts: Restarts = Field(default_factory=Restarts, description="Restarts per role.")
+    last_checkpoint: CheckpointStatus | None = Field(None, description="Newest checkpoint.")
+    start_time: AwareDatetime | None = Field(None, description="When the job started running.")
+    completion_time: AwareDatetime | None = Field(
+        None, description="When the job Succeeded or Failed."
+    )
+    message: str | None = Field(
+        None, max_length=32_768, description="Human-readable summary of the current phase."
+    )
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata the operator uses; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = ""
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RLJob(BaseModel):
+    """RLJob runs one LLM reinforcement-learning post-training job (PPO, GRPO or DAPO) on a
+    colocated or disaggregated topology: the operator creates and supervises its rollout and
+    trainer pods."""
+
+    model_config = ConfigDict(
+        extra="ignore", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
+    api_version: Literal["rljob.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["RLJob"] = KIND
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: RLJobSpec
+    status: RLJobStatus | None = None
+
+
+# ------------------------------------------------------------------------------- functions
+
+
+class SpecError(ValueError):
+    """An RLJob that cannot run. Each problem names the field path and the fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid RLJob:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def parse_rljob(obj: Mapping[str, Any]) -> RLJob:
+    """Validate an RLJob object (as read from the API server or a manifest).
+
+    Raises ``SpecError`` listing every problem as ``<field path>: <what is wrong and the fix>``.
+    """
+    try:
+        return RLJob.model_validate(obj)
+    except ValidationError as exc:
+        raise SpecError([_describe(e) for e in exc.errors(include_url=False)]) from None
+
+
+def is_on_policy(algorithm: AlgorithmName) -> bool:
+    """Whether ``algorithm`` needs fresh (zero-lag) data: ppo and grpo. dapo tolerates bounded
+    staleness in this operator's fit table and runs on either topology."""
+    return algorithm in ON_POLICY_ALGORITHMS
+
+
+def resolve_topology(spec: RLJobSpec) -> tuple[ResolvedTopology, str]:
+    """The topology a job runs on, and why. First match wins:
+
+    1. ``spec.topology`` colocated or disaggregated: used as written.
+    2. auto, on-policy algorithm (ppo, grpo) without a staleness bound (``staleness.correction``
+       decoupledPPO|tis *and* ``staleness.maxVersions``): colocated, the only topology that keeps
+       policy lag near zero.
+    3. auto, ``objective: utilization`` or ``task.longChainReasoning``, and an algorithm that
+       tolerates stale data (dapo, or a staleness bound as in 2): disaggregated, so long or
+       uneven generations keep the rollout GPUs busy while trainers train.
+    4. auto otherwise: colocated (lowest lag, fewest moving parts).
+
+    Rule 3 asks on-policy algorithms for the same bound the validator requires on an explicit
+    disaggregated topology, so auto never picks a combination that would be rejected.
+    """
+    if spec.topology != "auto":
+        return spec.topology, f"spec.topology is {spec.topology}"
+    name = spec.algorithm.name
+    bounded = spec.staleness.correction != "none" and spec.staleness.max_versions is not None
+    if is_on_policy(name) and not bounded:
+        return "colocated", f"{name} is on-policy and spec.staleness sets no correction and bound"
+    wants_throughput = spec.objective == "utilization" or spec.task.long_chain_reasoning
+    if wants_throughput:
+        why = "objective utilization" if spec.objective == "utilization" else "long-chain reasoning"
+        tolerates = "dapo" if name == "dapo" else "a staleness correction and bound"
+        return "disaggregated", f"{why} with {tolerates}"
+    return "colocated", "objective latency"
+
+
+def resolve_advantage_estimator(algorithm: Algorithm) -> AdvantageEstimator:
+    """``algorithm.advantageEstimator``, or its default: gae for ppo, grpo for grpo and dapo."""
+    if algorithm.advantage_estimator is not None:
+        return algorithm.advantage_estimator
+    return "gae" if algorithm.name == "ppo" else "grpo"
+
+
+def responses_per_prompt(spec: RLJobSpec) -> int:
+    """Responses sampled per prompt: sampling.n, else groupSize with group advantages, else 1."""
+    if spec.rollout.sampling.n is not None:
+        return spec.rollout.sampling.n
+    return 1 if resolve_advantage_estimator(spec.algorithm) == "gae" else spec.algorithm.group_size
+
+
+def resolve_weight_sync_method(spec: RLJobSpec, topology: ResolvedTopology) -> WeightSyncMethod:
+    """``weightSync.method``, or its default: inProcess when colocated, http when disaggregated."""
+    if spec.weight_sync.method is not None:
+        return spec.weight_sync.method
+    return "inProcess" if topology == "colocated" else "http"
+
+
+def all_cel_rules() -> dict[str, tuple[CelRule, ...]]:
+    """Every model's cross-field rules, keyed by model name (for generators and tests)."""
+    return {m.__name__: m.cel_rules for m in _spec_models(RLJobSpec) if m.cel_rules}
+
+
+def _spec_models(root: type[SpecModel]) -> list[type[SpecModel]]:
+    found: list[type[SpecModel]] = []
+    pending: list[type[SpecModel]] = [root]
+    while pending:
+        model = pending.pop()
+        if model in found:
+            continue
+        found.append(model)
+        for field in model.model_fields.values():
+            pending.extend(_models_in(field.annotation))
+    return found
+
+
+def _models_in(annotation: Any) -> list[type[SpecModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, SpecModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+# ------------------------------------------------------------------------- error messages
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    loc: tuple[str | int, ...] = tuple(error["loc"])
+    path = _format_path(loc)
+    kind = error["type"]
+    if kind == RULE_ERROR:
+        return str(error["msg"])
+    if kind == "missing":
+        return f"{path}: required field is missing; add it"
+    if kind == "extra_forbidden":
+        return f"{path}: unknown field; {_spelling_hint(loc)}"
+    got = repr(error.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"{path}: {error['msg']} (got {got}); set a value that fits"
+
+
+def _format_path(loc: tuple[str | int, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _spelling_hint(loc: tuple[str | int, ...]) -> str:
+    parent = _model_at(loc[:-1])
+    if parent is None:
+        return "remove it"
+    known = [f.alias or name for name, f in parent.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if close:
+        return f"did you mean {close[0]}?"
+    return f"remove it (known fields: {', '.join(sorted(known))})"
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    current: Any = RLJob
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(part, int):
+            args = get_args(current)
+            current = args[0] if args else None
+        elif isinstance(current, type) and issubclass(current, BaseModel):
+            fields = {f.alias or n: f for n, f in current.model_fields.items()}
+            field = fields.get(part) or current.model_fields.get(part)
+            current = field.annotation if field else None
+        else:
+            return None
+    current = _unwrap(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` → ``X``."""
+    if get_origin(annotation) in (types.UnionType, typing.Union):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        return members[0] if len(members) == 1 else annotation
+    return annotation
