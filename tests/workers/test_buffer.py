@@ -1,0 +1,195 @@
+"""Experience buffer.
+
+Aspects under test:
+- aging by policy versions and by seconds, with the limit itself kept, on add and on evict;
+- take serves oldest-created first and evicts before serving;
+- capacity drops the oldest (also when the newcomer is the oldest) and counts it;
+- a trajectory id is accepted once: redeliveries are dropped and counted, even after a take;
+- take_groups returns only whole groups, contiguous, oldest group first;
+- drop counts by reason; oldest_age; constructor validation.
+"""
+
+from typing import Any
+
+import pytest
+from rljob_workers.buffer import DROP_REASONS, ExperienceBuffer, Trajectory
+
+
+def traj(
+    traj_id: str, *, version: int = 0, created_at: float = 0.0, group: str = "g"
+) -> Trajectory:
+    return Trajectory(
+        id=traj_id,
+        policy_version=version,
+        created_at=created_at,
+        prompt_ids=[1, 2],
+        response_ids=[3],
+        behaviour_logprobs=[-0.5],
+        reward=1.0,
+        group_id=group,
+    )
+
+
+def ids(trajectories: list[Trajectory]) -> list[str]:
+    return [t.id for t in trajectories]
+
+
+def test_buffer_new_buffer_counts_every_reason_at_zero() -> None:
+    buffer = ExperienceBuffer(capacity=4)
+
+    assert buffer.dropped == dict.fromkeys(DROP_REASONS, 0)
+    assert set(DROP_REASONS) == {"stale_version", "expired", "capacity", "duplicate"}
+    assert len(buffer) == 0
+
+
+def test_buffer_add_duplicate_id_dropped_and_counted() -> None:
+    buffer = ExperienceBuffer(capacity=4)
+
+    assert buffer.add(traj("a"), now=0.0)
+    assert not buffer.add(traj("a", created_at=1.0), now=1.0)
+    assert len(buffer) == 1
+    assert buffer.dropped["duplicate"] == 1
+
+
+def test_buffer_add_redelivery_after_take_never_trained_twice() -> None:
+    buffer = ExperienceBuffer(capacity=4)
+    buffer.add(traj("a"), now=0.0)
+    first = buffer.take(1, current_version=0, now=0.0)
+
+    accepted = buffer.add(traj("a"), now=1.0)
+
+    assert ids(first) == ["a"]
+    assert not accepted
+    assert buffer.take(1, current_version=0, now=1.0) == []
+    assert buffer.dropped["duplicate"] == 1
+
+
+def test_buffer_add_past_max_age_refused_limit_kept() -> None:
+    buffer = ExperienceBuffer(capacity=4, max_age_seconds=10.0)
+
+    assert buffer.add(traj("at-limit", created_at=0.0), now=10.0)
+    assert not buffer.add(traj("too-old", created_at=0.0), now=10.5)
+    assert buffer.dropped["expired"] == 1
+
+
+def test_buffer_add_with_current_version_refuses_stale() -> None:
+    buffer = ExperienceBuffer(capacity=4, max_staleness_versions=1)
+
+    assert buffer.add(traj("one-behind", version=4), now=0.0, current_version=5)
+    assert not buffer.add(traj("two-behind", version=3), now=0.0, current_version=5)
+    assert buffer.dropped["stale_version"] == 1
+
+
+def test_buffer_evict_beyond_max_staleness_versions_dropped() -> None:
+    buffer = ExperienceBuffer(capacity=8, max_staleness_versions=2)
+    for version in range(4):
+        buffer.add(traj(f"v{version}", version=version), now=0.0)
+
+    evicted = buffer.evict(current_version=3, now=0.0)
+
+    # versions behind: 3, 2, 1, 0 -> only v0 exceeds 2
+    assert evicted == 1
+    assert ids(buffer.take(8, current_version=3, now=0.0)) == ["v1", "v2", "v3"]
+    assert buffer.dropped["stale_version"] == 1
+
+
+def test_buffer_evict_older_than_max_age_seconds_dropped() -> None:
+    buffer = ExperienceBuffer(capacity=8, max_age_seconds=60.0)
+    for created_at in (0.0, 30.0, 50.0):
+        buffer.add(traj(f"t{created_at:g}", created_at=created_at), now=created_at)
+
+    evicted = buffer.evict(current_version=0, now=100.0)
+
+    # ages 100, 70, 50 at now=100
+    assert evicted == 2
+    assert len(buffer) == 1
+    assert buffer.dropped["expired"] == 2
+
+
+def test_buffer_evict_both_stale_and_expired_counted_once_as_stale() -> None:
+    buffer = ExperienceBuffer(capacity=4, max_staleness_versions=0, max_age_seconds=1.0)
+    buffer.add(traj("old"), now=0.0)
+
+    assert buffer.evict(current_version=1, now=5.0) == 1
+    assert buffer.dropped["stale_version"] == 1
+    assert buffer.dropped["expired"] == 0
+
+
+def test_buffer_take_oldest_created_first_and_evicts_before_serving() -> None:
+    buffer = ExperienceBuffer(capacity=8, max_staleness_versions=1)
+    buffer.add(traj("late", created_at=3.0, version=5), now=3.0)
+    buffer.add(traj("early", created_at=1.0, version=5), now=3.0)
+    buffer.add(traj("stale", created_at=0.0, version=3), now=3.0)
+    buffer.add(traj("middle", created_at=2.0, version=5), now=3.0)
+
+    first = buffer.take(2, current_version=5, now=3.0)
+    rest = buffer.take(5, current_version=5, now=3.0)
+
+    assert ids(first) == ["early", "middle"]
+    assert ids(rest) == ["late"]
+    assert buffer.dropped["stale_version"] == 1
+
+
+def test_buffer_full_drops_oldest_and_counts_capacity() -> None:
+    buffer = ExperienceBuffer(capacity=2)
+    buffer.add(traj("t1", created_at=1.0), now=3.0)
+    buffer.add(traj("t2", created_at=2.0), now=3.0)
+
+    accepted_newest = buffer.add(traj("t3", created_at=3.0), now=3.0)
+    accepted_oldest = buffer.add(traj("t0", created_at=0.0), now=3.0)
+
+    assert accepted_newest and not accepted_oldest
+    assert ids(buffer.take(2, current_version=0, now=3.0)) == ["t2", "t3"]
+    assert buffer.dropped["capacity"] == 2
+
+
+def test_buffer_take_groups_returns_only_whole_groups_oldest_first() -> None:
+    buffer = ExperienceBuffer(capacity=8)
+    arrivals = [("c1", "c", 0.5), ("a1", "a", 1.0), ("b1", "b", 1.5), ("a2", "a", 2.0)]
+    arrivals += [("c2", "c", 2.5)]
+    for traj_id, group, created_at in arrivals:
+        buffer.add(traj(traj_id, group=group, created_at=created_at), now=3.0)
+
+    taken = buffer.take_groups(3, 2, current_version=0, now=3.0)
+
+    # c is oldest (0.5), then a (1.0); b is incomplete and waits for its sibling
+    assert ids(taken) == ["c1", "c2", "a1", "a2"]
+    assert len(buffer) == 1
+    buffer.add(traj("b2", group="b", created_at=3.5), now=4.0)
+    assert ids(buffer.take_groups(3, 2, current_version=0, now=4.0)) == ["b1", "b2"]
+
+
+def test_buffer_take_groups_limits_number_of_groups() -> None:
+    buffer = ExperienceBuffer(capacity=8)
+    for index, group in enumerate(["x", "x", "y", "y"]):
+        buffer.add(traj(f"{group}{index}", group=group, created_at=float(index)), now=4.0)
+
+    taken = buffer.take_groups(1, 2, current_version=0, now=4.0)
+
+    assert ids(taken) == ["x0", "x1"]
+    assert len(buffer) == 2
+
+
+def test_buffer_oldest_age_none_when_empty_else_seconds() -> None:
+    buffer = ExperienceBuffer(capacity=4)
+    assert buffer.oldest_age(now=10.0) is None
+
+    buffer.add(traj("a", created_at=4.0), now=5.0)
+    buffer.add(traj("b", created_at=2.0), now=5.0)
+
+    assert buffer.oldest_age(now=10.0) == 8.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"capacity": 0}, "capacity must be >= 1"),
+        ({"capacity": 1, "max_staleness_versions": -1}, "max_staleness_versions must be >= 0"),
+        ({"capacity": 1, "max_age_seconds": 0.0}, "max_age_seconds must be > 0"),
+    ],
+)
+def test_buffer_invalid_settings_raise_naming_the_parameter(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ExperienceBuffer(**kwargs)

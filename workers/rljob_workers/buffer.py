@@ -1,0 +1,179 @@
+"""Experience buffer between rollouts and the trainer, with aging by policy version and time.
+
+Pure: the current policy version and the current time are always passed in, never read from a
+clock, so the same calls give the same result in tests, in the local runtime and in pods.
+
+Order: "oldest" means earliest ``created_at`` (ties broken by arrival order). ``take`` serves
+oldest first, and a full buffer drops its oldest trajectory to make room.
+
+Drop reasons, counted in ``ExperienceBuffer.dropped``:
+
+- ``stale_version``: ``current_version - policy_version > max_staleness_versions``;
+- ``expired``: ``now - created_at > max_age_seconds``;
+- ``capacity``: pushed out (or refused) because the buffer was full and it was the oldest;
+- ``duplicate``: its id was offered before; a redelivered trajectory is never trained twice.
+
+A trajectory at exactly the staleness or age limit is kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DROP_REASONS", "ExperienceBuffer", "Trajectory"]
+
+DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled response with what the trainer needs to learn from it.
+
+    ``created_at`` is in seconds on the clock the caller passes as ``now``. Samples answering
+    the same prompt share a ``group_id`` (a GRPO group).
+    """
+
+    id: str
+    policy_version: int
+    created_at: float
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    group_id: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    created_at: float
+    arrival: int
+    trajectory: Trajectory
+
+
+def _order(entry: _Entry) -> tuple[float, int]:
+    return entry.created_at, entry.arrival
+
+
+class ExperienceBuffer:
+    """Bounded, aging, de-duplicating store of trajectories.
+
+    Args:
+        capacity: most trajectories held at once, ``>= 1``.
+        max_staleness_versions: drop trajectories more than this many policy versions behind
+            the current one (``0`` keeps only the current version); None disables.
+        max_age_seconds: drop trajectories older than this (``> 0``); None disables.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness_versions: int | None = None,
+        max_age_seconds: float | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_staleness_versions is not None and max_staleness_versions < 0:
+            raise ValueError(
+                f"max_staleness_versions must be >= 0 or None, got {max_staleness_versions}"
+            )
+        if max_age_seconds is not None and max_age_seconds <= 0:
+            raise ValueError(f"max_age_seconds must be > 0 or None, got {max_age_seconds}")
+        self.capacity = capacity
+        self.max_staleness_versions = max_staleness_versions
+        self.max_age_seconds = max_age_seconds
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self._entries: list[_Entry] = []
+        self._seen_ids: set[str] = set()
+        self._arrivals = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(
+        self, trajectory: Trajectory, *, now: float, current_version: int | None = None
+    ) -> bool:
+        """Store ``trajectory``; False when it was dropped (the reason is counted).
+
+        Expired trajectories are refused at once; version staleness is checked here only when
+        ``current_version`` is given (otherwise at the next ``evict``/``take``).
+        """
+        if trajectory.id in self._seen_ids:
+            self.dropped["duplicate"] += 1
+            return False
+        self._seen_ids.add(trajectory.id)
+        reason = self._drop_reason(trajectory, current_version=current_version, now=now)
+        if reason is not None:
+            self.dropped[reason] += 1
+            return False
+        self._arrivals += 1
+        entry = _Entry(trajectory.created_at, self._arrivals, trajectory)
+        bisect.insort(self._entries, entry, key=_order)
+        if len(self._entries) <= self.capacity:
+            return True
+        self.dropped["capacity"] += 1
+        return self._entries.pop(0) is not entry
+
+    def evict(self, *, current_version: int, now: float) -> int:
+        """Drop every stale or expired trajectory; return how many were dropped."""
+        kept: list[_Entry] = []
+        for entry in self._entries:
+            reason = self._drop_reason(entry.trajectory, current_version=current_version, now=now)
+            if reason is None:
+                kept.append(entry)
+            else:
+                self.dropped[reason] += 1
+        evicted = len(self._entries) - len(kept)
+        self._entries = kept
+        return evicted
+
+    def take(self, n: int, *, current_version: int, now: float) -> list[Trajectory]:
+        """Evict, then remove and return up to ``n`` trajectories, oldest first."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self.evict(current_version=current_version, now=now)
+        taken, self._entries = self._entries[:n], self._entries[n:]
+        return [entry.trajectory for entry in taken]
+
+    def take_groups(
+        self, n_groups: int, group_size: int, *, current_version: int, now: float
+    ) -> list[Trajectory]:
+        """Evict, then remove and return up to ``n_groups`` complete groups, never a partial one.
+
+        Groups are served in the order of their oldest member; the result holds ``group_size``
+        members per group, each group contiguous (the layout ``compute_grpo_advantages``
+        expects). Incomplete groups stay and wait for their remaining members.
+        """
+        if n_groups < 0 or group_size < 1:
+            raise ValueError(
+                f"need n_groups >= 0 and group_size >= 1, got {n_groups}, {group_size}"
+            )
+        self.evict(current_version=current_version, now=now)
+        groups: dict[str, list[_Entry]] = {}
+        for entry in self._entries:
+            groups.setdefault(entry.trajectory.group_id, []).append(entry)
+        complete = [
+            members[:group_size] for members in groups.values() if len(members) >= group_size
+        ]
+        chosen = [entry for members in complete[:n_groups] for entry in members]
+        chosen_ids = {id(entry) for entry in chosen}
+        self._entries = [entry for entry in self._entries if id(entry) not in chosen_ids]
+        return [entry.trajectory for entry in chosen]
+
+    def oldest_age(self, now: float) -> float | None:
+        """Seconds since the oldest stored trajectory was created; None when empty."""
+        return now - self._entries[0].created_at if self._entries else None
+
+    def _drop_reason(
+        self, trajectory: Trajectory, *, current_version: int | None, now: float
+    ) -> str | None:
+        limit = self.max_staleness_versions
+        behind = None if current_version is None else current_version - trajectory.policy_version
+        if limit is not None and behind is not None and behind > limit:
+            return "stale_version"
+        age_limit = self.max_age_seconds
+        if age_limit is not None and now - trajectory.created_at > age_limit:
+            return "expired"
+        return None
