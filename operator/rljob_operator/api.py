@@ -1072,7 +1072,7 @@ def parse_rljob(obj: Mapping[str, Any]) -> RLJob:
     try:
         return RLJob.model_validate(obj)
     except ValidationError as exc:
-        raise SpecError([_describe(e) for e in exc.errors(include_url=False)]) from None
+        raise SpecError([p for e in exc.errors(include_url=False) for p in _describe(e)]) from None
 
 
 def is_on_policy(algorithm: AlgorithmName) -> bool:
@@ -1158,19 +1158,19 @@ def _models_in(annotation: Any) -> list[type[SpecModel]]:
 # ------------------------------------------------------------------------- error messages
 
 
-def _describe(error: Mapping[str, Any]) -> str:
+def _describe(error: Mapping[str, Any]) -> list[str]:
     loc: tuple[str | int, ...] = tuple(error["loc"])
     path = _format_path(loc)
     kind = error["type"]
     if kind == RULE_ERROR:
-        return str(error["msg"])
+        return [str(m) for m in error.get("ctx", {}).get("messages", [error["msg"]])]
     if kind == "missing":
-        return f"{path}: required field is missing; add it"
+        return [f"{path}: required field is missing; add it"]
     if kind == "extra_forbidden":
-        return f"{path}: unknown field; {_spelling_hint(loc)}"
+        return [f"{path}: unknown field; {_spelling_hint(loc)}"]
     got = repr(error.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
-    return f"{path}: {error['msg']} (got {got}); set a value that fits"
+    return [f"{path}: {error['msg']} (got {got}); set a value that fits"]
 
 
 def _format_path(loc: tuple[str | int, ...]) -> str:
