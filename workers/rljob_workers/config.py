@@ -81,8 +81,9 @@ class SamplingConfig(_Model):
 
 
 class RolloutConfig(_Model):
+    """Rollout engine settings (the replica count is elastic and deliberately not part of it)."""
+
     engine: Literal["vllm", "hf"] = "vllm"
-    replicas: int = 1
     sampling: SamplingConfig = SamplingConfig()
 
 

@@ -1,0 +1,78 @@
+"""Apply: carry out a reconcile plan against the API server (the only writes)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from rljob_operator.api import GROUP, VERSION
+from rljob_operator.kube import Kube
+from rljob_operator.reconcile import TOKEN_PLACEHOLDER, EventSpec, Plan
+
+log = logging.getLogger(__name__)
+
+
+def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
+    """Server-side apply the desired children, delete the unwanted, write status, post Events."""
+    meta = job["metadata"]
+    for obj in plan.apply:
+        if obj["kind"] == "Secret":
+            obj = _with_generated_token(obj)
+        kube.server_side_apply(obj)
+    for ref in plan.delete:
+        kube.delete(
+            ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
+        )
+    if plan.status is not None:
+        kube.merge_patch(
+            f"{GROUP}/{VERSION}",
+            "RLJob",
+            meta["namespace"],
+            meta["name"],
+            {"status": plan.status},
+            subresource="status",
+        )
+    for event in plan.events:
+        apply_event(kube, job, event)
+
+
+def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:
+    data = dict(obj.get("stringData", {}))
+    for key, value in data.items():
+        if value == TOKEN_PLACEHOLDER:
+            data[key] = secrets.token_hex(32)
+    return {**obj, "stringData": data}
+
+
+def apply_event(kube: Kube, job: dict[str, Any], event: EventSpec) -> None:
+    """Post a core/v1 Event about the job (best effort: a failed Event never fails a reconcile)."""
+    meta = job["metadata"]
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": job["apiVersion"],
+            "kind": job["kind"],
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "type": event.type,
+        "reason": event.reason,
+        "message": event.message[:1024],
+        "source": {"component": "rljob-operator"},
+        "reportingComponent": "rljob-operator",
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        kube.create(body)
+    except ApiException as exc:
+        log.warning("could not post event %s for %s: %s", event.reason, meta["name"], exc.reason)

@@ -1,0 +1,485 @@
+"""Pure builders: an RLJob spec → the objects the operator owns.
+
+ConfigMap (the rendered worker config), a Secret (the job's experience/weights token), headless
+Services (stable DNS for rendezvous and the experience stream), and one Pod per role replica with a
+stable name. No client, no clock, no environment reads: everything comes in as arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rljob_operator.api import GROUP, KIND, VERSION, RLJob, RLJobSpec
+from rljob_workers.config import (
+    AlgorithmConfig,
+    BufferConfig,
+    CheckpointConfig,
+    Endpoints,
+    GradientCompressionConfig,
+    ModelConfig,
+    OverlongConfig,
+    RolloutConfig,
+    SamplingConfig,
+    StalenessConfig,
+    TaskConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+    WorkerConfig,
+)
+
+LABEL_JOB = f"{GROUP}/job"
+LABEL_ROLE = f"{GROUP}/role"
+LABEL_INDEX = f"{GROUP}/replica-index"
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+ANNOTATION_RESTART_EPOCH = f"{GROUP}/restart-epoch"
+DEFAULT_IMAGE = "ghcr.io/rljob/rljob-worker:0.1.0-cpu"
+CONFIG_MOUNT = "/etc/rljob"
+CHECKPOINT_MOUNT = "/checkpoints"
+MODEL_MOUNT = "/models"
+Role = Literal["actor", "rollout", "trainer"]
+Topology = Literal["colocated", "disaggregated"]
+PORTS = {"rendezvous": 29500, "experience": 29600, "weights": 29700, "metrics": 9400}
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identity of the owning RLJob (for names, labels and ownerReferences)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any]) -> JobRef:
+        return cls(metadata["name"], metadata.get("namespace", "default"), metadata.get("uid", ""))
+
+
+def roles_for(topology: Topology) -> tuple[Role, ...]:
+    """Which pod roles a topology runs."""
+    return ("actor",) if topology == "colocated" else ("rollout", "trainer")
+
+
+def role_replicas(spec: RLJobSpec, role: Role) -> int:
+    """Desired pod count of a role: actors form the colocated group (sized like the trainer)."""
+    return spec.rollout.replicas if role == "rollout" else spec.trainer.replicas
+
+
+def role_gpus(spec: RLJobSpec, role: Role) -> int:
+    return spec.rollout.gpus_per_replica if role == "rollout" else spec.trainer.gpus_per_replica
+
+
+def pod_name(job: JobRef, role: Role, index: int) -> str:
+    return f"{job.name}-{role}-{index}"
+
+
+def service_name(job: JobRef, role: Role) -> str:
+    return f"{job.name}-{role}"
+
+
+def configmap_name(job: JobRef) -> str:
+    return f"{job.name}-config"
+
+
+def secret_name(job: JobRef) -> str:
+    return f"{job.name}-token"
+
+
+def labels(job: JobRef, role: Role | None = None) -> dict[str, str]:
+    out = {
+        LABEL_JOB: job.name,
+        "app.kubernetes.io/name": "rljob",
+        "app.kubernetes.io/instance": job.name,
+        "app.kubernetes.io/managed-by": "rljob-operator",
+    }
+    if role:
+        out[LABEL_ROLE] = role
+        out["app.kubernetes.io/component"] = role
+    return out
+
+
+def owner_reference(job: JobRef) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: JobRef, name: str, role: Role | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": labels(job, role),
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+# ------------------------------------------------------------------------------ worker config
+
+
+def trainer_host(job: JobRef, topology: Topology) -> str:
+    """DNS name of rank 0 (rendezvous master, experience and weights endpoints)."""
+    role: Role = "actor" if topology == "colocated" else "trainer"
+    return f"{pod_name(job, role, 0)}.{service_name(job, role)}.{job.namespace}.svc"
+
+
+def build_algorithm_config(spec: RLJobSpec) -> AlgorithmConfig:
+    """Resolved RL hyper-parameters (estimator and policy loss derived from the spec)."""
+    a = spec.algorithm
+    estimator = a.advantage_estimator or ("gae" if a.name == "ppo" else "grpo")
+    correction = spec.staleness.correction
+    policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis"] = (
+        "decoupled-ppo"
+        if correction == "decoupledPPO"
+        else "tis"
+        if correction == "tis"
+        else "ppo-clip"
+    )
+    return AlgorithmConfig(
+        name=a.name,
+        advantage_estimator=estimator,
+        policy_loss=policy_loss,
+        clip_low=a.clip_ratio_low,
+        clip_high=a.clip_ratio_high,
+        dual_clip=a.dual_clip,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        gamma=a.gamma,
+        lam=a.lam,
+        group_size=a.group_size,
+        dynamic_sampling=a.dynamic_sampling,
+        overlong=OverlongConfig(
+            enabled=a.overlong_buffer.enabled,
+            max_length=a.overlong_buffer.max_length,
+            cache_length=a.overlong_buffer.cache_length,
+        ),
+        loss_aggregation=a.loss_aggregation,
+        learning_rate=a.learning_rate,
+        critic_learning_rate=a.critic_learning_rate,
+        batch_size=a.batch_size,
+        mini_batch_size=a.mini_batch_size or a.batch_size,
+        ppo_epochs=a.ppo_epochs,
+        entropy_coef=a.entropy_coef,
+        max_grad_norm=a.max_grad_norm,
+    )
+
+
+def build_worker_config(
+    spec: RLJobSpec,
+    job: JobRef,
+    topology: Topology,
+    *,
+    endpoints: Endpoints | None = None,
+    output_dir: str = "/tmp/rljob",
+    checkpoint_dir: str | None = None,
+    model_path: str | None = None,
+) -> WorkerConfig:
+    """Render the worker config for a job (the same for every process of the job)."""
+    task = spec.task
+    builtin = task.builtin
+    sampling = spec.rollout.sampling
+    return WorkerConfig(
+        job_name=job.name,
+        job_namespace=job.namespace,
+        topology=topology,
+        algorithm=build_algorithm_config(spec),
+        model=ModelConfig(
+            path=model_path or spec.model.path,
+            tokenizer_path=spec.model.tokenizer_path,
+            dtype=spec.model.dtype,
+        ),
+        task=TaskConfig(
+            builtin=builtin.name if builtin else None,
+            num_prompts=builtin.num_prompts if builtin else 0,
+            task_seed=builtin.seed if builtin else 0,
+            dataset_path=task.dataset_path,
+            reward_function=task.reward.function if task.reward else None,
+        ),
+        rollout=RolloutConfig(
+            engine=spec.rollout.engine,
+            sampling=SamplingConfig(
+                n=sampling.n or spec.algorithm.group_size,
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+            ),
+        ),
+        trainer=TrainerConfig(
+            replicas=spec.trainer.replicas,
+            gradient_compression=GradientCompressionConfig(
+                type=spec.trainer.gradient_compression.type,
+                rank=spec.trainer.gradient_compression.rank or 1,
+            ),
+            gradient_checkpointing=spec.trainer.gradient_checkpointing,
+        ),
+        staleness=StalenessConfig(
+            max_versions=spec.staleness.max_versions,
+            max_age_seconds=spec.staleness.max_age_seconds,
+            correction=spec.staleness.correction,
+            max_policy_lag_ms=spec.staleness.max_policy_lag_ms,
+            degrade_after_seconds=spec.staleness.degrade_after_seconds,
+            degrade_action=spec.staleness.degrade_action,
+        ),
+        buffer=BufferConfig(
+            capacity=spec.buffer.capacity, max_age_seconds=spec.buffer.max_age_seconds
+        ),
+        weight_sync=WeightSyncConfig(
+            method=_weight_sync_method(spec, topology),
+            compression=spec.weight_sync.compression,
+        ),
+        checkpoint=CheckpointConfig(
+            dir=checkpoint_dir or spec.checkpoint.path,
+            every_steps=spec.checkpoint.every_steps,
+            keep=spec.checkpoint.keep,
+        ),
+        endpoints=endpoints
+        or Endpoints(
+            trainer_host=trainer_host(job, topology),
+            rendezvous_port=PORTS["rendezvous"],
+            experience_port=PORTS["experience"],
+            weights_port=PORTS["weights"],
+            metrics_port=PORTS["metrics"],
+        ),
+        total_steps=spec.total_steps,
+        seed=spec.seed,
+        output_dir=output_dir,
+    )
+
+
+def _weight_sync_method(
+    spec: RLJobSpec, topology: Topology
+) -> Literal["inProcess", "file", "http", "nccl"]:
+    method = spec.weight_sync.method
+    if topology == "colocated":
+        return "inProcess"
+    return "http" if method in (None, "inProcess") else method
+
+
+def config_hash(config_json: str) -> str:
+    return hashlib.sha256(config_json.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ objects
+
+
+def build_configmap(job: JobRef, config: WorkerConfig) -> dict[str, Any]:
+    """The ConfigMap holding the rendered worker config."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, configmap_name(job)),
+        "data": {"config.json": config.dump()},
+    }
+
+
+def build_token_secret(job: JobRef, token: str) -> dict[str, Any]:
+    """The per-job token that authenticates the experience stream and weight endpoints."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(job, secret_name(job)),
+        "stringData": {"token": token},
+    }
+
+
+def build_headless_service(job: JobRef, role: Role) -> dict[str, Any]:
+    """Headless Service giving each pod of a role a stable DNS name."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, service_name(job, role), role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job.name, LABEL_ROLE: role},
+            "ports": [{"name": k, "port": v, "protocol": "TCP"} for k, v in PORTS.items()],
+        },
+    }
+
+
+def build_pod(
+    spec: RLJobSpec,
+    job: JobRef,
+    role: Role,
+    index: int,
+    *,
+    topology: Topology,
+    config_digest: str,
+    restart_epoch: int = 0,
+) -> dict[str, Any]:
+    """One worker pod with a stable name, GPU requests, rendezvous env and a locked-down context."""
+    world = role_replicas(spec, role)
+    meta = _metadata(job, pod_name(job, role, index), role)
+    meta["labels"][LABEL_INDEX] = str(index)
+    meta["annotations"] = {
+        ANNOTATION_CONFIG_HASH: config_digest,
+        ANNOTATION_RESTART_EPOCH: str(restart_epoch),
+    }
+    meta["labels"].update(_queue_labels(spec, job))
+    if spec.scheduling.queue:
+        meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] = str(
+            sum(role_replicas(spec, r) for r in roles_for(topology))
+        )
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "hostname": pod_name(job, role, index),
+        "subdomain": service_name(job, role),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(spec, job, role, index, world, topology)],
+        "volumes": _volumes(spec, job),
+        "terminationGracePeriodSeconds": 30,
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+        pod_spec["automountServiceAccountToken"] = True
+    _scheduling(pod_spec, spec)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _queue_labels(spec: RLJobSpec, job: JobRef) -> dict[str, str]:
+    if not spec.scheduling.queue:
+        return {}
+    return {
+        "kueue.x-k8s.io/queue-name": spec.scheduling.queue,
+        "kueue.x-k8s.io/pod-group-name": job.name,
+    }
+
+
+def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec) -> None:
+    s = spec.scheduling
+    if s.scheduler_name:
+        pod_spec["schedulerName"] = s.scheduler_name
+    if s.priority_class_name:
+        pod_spec["priorityClassName"] = s.priority_class_name
+    if s.node_selector:
+        pod_spec["nodeSelector"] = dict(s.node_selector)
+    if s.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations
+        ]
+
+
+def _container(
+    spec: RLJobSpec, job: JobRef, role: Role, index: int, world: int, topology: Topology
+) -> dict[str, Any]:
+    gpus = role_gpus(spec, role)
+    resources_spec = spec.rollout.resources if role == "rollout" else spec.trainer.resources
+    requests = dict(resources_spec.requests) if resources_spec else {}
+    limits = dict(resources_spec.limits) if resources_spec else {}
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+        requests["nvidia.com/gpu"] = str(gpus)
+    env = [
+        {"name": "RLJOB_ROLE", "value": role},
+        {"name": "RLJOB_RANK", "value": str(index)},
+        {"name": "RLJOB_REPLICA", "value": str(index)},
+        {"name": "RLJOB_WORLD_SIZE", "value": str(world)},
+        {"name": "RLJOB_CONFIG", "value": f"{CONFIG_MOUNT}/config.json"},
+        {"name": "MASTER_ADDR", "value": trainer_host(job, topology)},
+        {"name": "MASTER_PORT", "value": str(PORTS["rendezvous"])},
+        {
+            "name": "RLJOB_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": secret_name(job), "key": "token"}},
+        },
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if spec.model.volume:
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": role,
+        "image": spec.image or DEFAULT_IMAGE,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["python", "-m", "rljob_workers.main"],
+        "env": env,
+        "ports": [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in PORTS.items()],
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if requests or limits:
+        container["resources"] = {
+            k: v for k, v in (("requests", requests), ("limits", limits)) if v
+        }
+    return container
+
+
+def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": configmap_name(job)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if spec.checkpoint.claim_name:
+        volumes.append(
+            {
+                "name": "checkpoints",
+                "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name},
+            }
+        )
+    else:
+        volumes.append({"name": "checkpoints", "emptyDir": {}})
+    if spec.model.volume:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {
+                    "claimName": spec.model.volume.claim_name,
+                    "readOnly": True,
+                },
+            }
+        )
+    return volumes
+
+
+def build_children(
+    job: RLJob, ref: JobRef, topology: Topology, *, token: str, restart_epochs: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Every object the job should own right now, in apply order."""
+    spec = job.spec
+    config = build_worker_config(spec, ref, topology, checkpoint_dir=CHECKPOINT_MOUNT)
+    digest = config_hash(config.dump())
+    objects = [build_configmap(ref, config), build_token_secret(ref, token)]
+    roles = roles_for(topology)
+    objects += [build_headless_service(ref, role) for role in roles]
+    if not spec.suspend:
+        for role in roles:
+            for i in range(role_replicas(spec, role)):
+                objects.append(
+                    build_pod(
+                        spec,
+                        ref,
+                        role,
+                        i,
+                        topology=topology,
+                        config_digest=digest,
+                        restart_epoch=restart_epochs.get(role, 0),
+                    )
+                )
+    return objects

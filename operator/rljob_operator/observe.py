@@ -1,0 +1,39 @@
+"""Observe: read one RLJob and everything it owns from the API server (the only reads)."""
+
+from __future__ import annotations
+
+from rljob_operator.api import GROUP, VERSION
+from rljob_operator.builders import LABEL_JOB
+from rljob_operator.kube import Kube
+from rljob_operator.reconcile import Observed
+
+
+def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
+    """The job and its children as they are now; None when the job is gone."""
+    job = kube.get(f"{GROUP}/{VERSION}", "RLJob", namespace, name)
+    if job is None:
+        return None
+    selector = f"{LABEL_JOB}={name}"
+    pods = kube.list("v1", "Pod", namespace, selector)
+    services = kube.list("v1", "Service", namespace, selector)
+    configmaps = kube.list("v1", "ConfigMap", namespace, selector)
+    secrets = kube.list("v1", "Secret", namespace, selector)
+    node_names = {p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName")}
+    nodes = {n: observe_node_ready(kube, n) for n in sorted(node_names)}
+    return Observed(
+        job=job,
+        pods=tuple(pods),
+        services=frozenset(s["metadata"]["name"] for s in services),
+        configmaps={c["metadata"]["name"]: c for c in configmaps},
+        secrets=frozenset(s["metadata"]["name"] for s in secrets),
+        nodes_ready=nodes,
+    )
+
+
+def observe_node_ready(kube: Kube, name: str) -> bool:
+    """False when the node is gone or its Ready condition is not True."""
+    node = kube.get("v1", "Node", None, name)
+    if node is None:
+        return False
+    conditions = node.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

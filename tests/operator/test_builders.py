@@ -1,0 +1,135 @@
+"""Builders: aspects under test
+
+- golden manifests per topology (colocated GRPO, disaggregated DAPO): every child, byte for byte;
+- pods: stable names per role, GPU requests, rendezvous env, labels, ownerReference, restrictive
+  securityContext, scheduling fields passed through;
+- the rendered worker config resolves defaults (estimator, policy loss, sampling n, weight sync).
+
+Regenerate the golden files after an intended change with ``RLJOB_UPDATE_GOLDEN=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob_operator.api import parse_rljob, resolve_topology
+from rljob_operator.builders import (
+    JobRef,
+    build_children,
+    build_pod,
+    build_worker_config,
+    trainer_host,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+REF = JobRef("demo", "team-a", "11111111-2222-3333-4444-555555555555")
+
+
+def load_example(name: str, **spec_overrides: Any) -> Any:
+    raw = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    raw["spec"].update(spec_overrides)
+    return parse_rljob(raw)
+
+
+def children(name: str) -> list[dict[str, Any]]:
+    job = load_example(name)
+    topology, _ = resolve_topology(job.spec)
+    return build_children(job, REF, topology, token="TOKEN", restart_epochs={})
+
+
+@pytest.mark.parametrize("example", ["grpo-colocated", "ppo-colocated", "dapo-disaggregated"])
+def test_build_children_example_matches_golden_manifest(example: str) -> None:
+    rendered = yaml.safe_dump_all(children(example), sort_keys=True)
+    golden = GOLDEN / f"{example}.yaml"
+    if os.environ.get("RLJOB_UPDATE_GOLDEN"):
+        golden.write_text(rendered)
+    assert golden.exists(), f"missing {golden}: run with RLJOB_UPDATE_GOLDEN=1"
+    assert rendered == golden.read_text()
+
+
+def test_build_children_colocated_has_actor_group_only() -> None:
+    objs = children("grpo-colocated")
+    pods = [o for o in objs if o["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in pods] == ["demo-actor-0", "demo-actor-1"]
+    assert {o["metadata"]["name"] for o in objs if o["kind"] == "Service"} == {"demo-actor"}
+    env = {e["name"]: e.get("value") for e in pods[1]["spec"]["containers"][0]["env"]}
+    assert env["RLJOB_ROLE"] == "actor"
+    assert env["RLJOB_RANK"] == "1"
+    assert env["RLJOB_WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "demo-actor-0.demo-actor.team-a.svc"
+
+
+def test_build_children_disaggregated_has_rollouts_and_trainers() -> None:
+    objs = children("dapo-disaggregated")
+    names = [o["metadata"]["name"] for o in objs if o["kind"] == "Pod"]
+    assert names == ["demo-rollout-0", "demo-rollout-1", "demo-trainer-0", "demo-trainer-1"]
+    services = {o["metadata"]["name"] for o in objs if o["kind"] == "Service"}
+    assert services == {"demo-rollout", "demo-trainer"}
+    trainer = next(o for o in objs if o["metadata"]["name"] == "demo-trainer-1")
+    assert trainer["spec"]["hostname"] == "demo-trainer-1"
+    assert trainer["spec"]["subdomain"] == "demo-trainer"
+
+
+def test_build_pod_requests_gpus_and_is_locked_down() -> None:
+    job = load_example("dapo-disaggregated")
+    pod = build_pod(job.spec, REF, "trainer", 0, topology="disaggregated", config_digest="abc")
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["restartPolicy"] == "Never"
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", REF.uid, True)
+    assert pod["metadata"]["labels"]["rljob.io/job"] == "demo"
+    assert pod["metadata"]["labels"]["rljob.io/role"] == "trainer"
+    token_env = next(e for e in container["env"] if e["name"] == "RLJOB_TOKEN")
+    assert token_env["valueFrom"]["secretKeyRef"] == {"name": "demo-token", "key": "token"}
+
+
+def test_build_pod_passes_scheduling_fields_through() -> None:
+    scheduling = {
+        "schedulerName": "volcano",
+        "priorityClassName": "rl-high",
+        "queue": "team-a-queue",
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}
+        ],
+    }
+    job = load_example("grpo-colocated", scheduling=scheduling)
+    pod = build_pod(job.spec, REF, "actor", 0, topology="colocated", config_digest="abc")
+    spec = pod["spec"]
+    assert spec["schedulerName"] == "volcano"
+    assert spec["priorityClassName"] == "rl-high"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert spec["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}
+    ]
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-queue"
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo"
+    assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+
+
+def test_build_worker_config_resolves_defaults() -> None:
+    job = load_example("dapo-disaggregated")
+    config = build_worker_config(job.spec, REF, "disaggregated")
+    assert config.algorithm.advantage_estimator == "grpo"
+    assert config.algorithm.policy_loss == "tis"
+    assert config.algorithm.clip_high == pytest.approx(0.28)
+    assert config.rollout.sampling.n == job.spec.algorithm.group_size
+    assert config.weight_sync.method == "http"
+    assert config.endpoints.trainer_host == trainer_host(REF, "disaggregated")
+    ppo = build_worker_config(load_example("ppo-colocated").spec, REF, "colocated")
+    assert ppo.algorithm.advantage_estimator == "gae"
+    assert ppo.weight_sync.method == "inProcess"
