@@ -140,7 +140,12 @@ def _attach_cel_rules(schema: JsonDict, cls: type[Any]) -> None:
 
 
 class SpecModel(BaseModel):
-    """Base of the spec models: camelCase aliases, unknown fields rejected, CEL rules enforced."""
+    """Base of the spec models: camelCase aliases, unknown fields rejected, CEL rules enforced.
+
+    A rule of a model that the CRD defaults to ``{}`` must hold on ``{}`` too (guard each field
+    with ``has()``): the API server checks published defaults against the rules before it fills
+    in their nested defaults.
+    """
 
     model_config = ConfigDict(
         extra="forbid",
@@ -220,11 +225,14 @@ class OverlongBuffer(SpecModel):
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
-            rule="self.cacheLength < self.maxLength",
+            rule="!has(self.cacheLength) || !has(self.maxLength) || "
+            "self.cacheLength < self.maxLength",
             message="spec.algorithm.overlongBuffer.cacheLength must be < "
             "spec.algorithm.overlongBuffer.maxLength (the penalty ramps over the last "
             "cacheLength tokens before maxLength); lower cacheLength or raise maxLength",
-            holds=lambda o: o["cacheLength"] < o["maxLength"],
+            holds=lambda o: (
+                "cacheLength" not in o or "maxLength" not in o or o["cacheLength"] < o["maxLength"]
+            ),
             field_path=".cacheLength",
         ),
     )
@@ -488,12 +496,15 @@ def _no_gpu_in_resources(role: str) -> CelRule:
 class Sampling(SpecModel):
     """Rollout sampling parameters (vLLM SamplingParams)."""
 
+    # On the wire samplesPerPrompt, not vLLM's "n": YAML 1.1 parsers (kubectl's included) read
+    # a bare `n:` key as the boolean false.
     n: int | None = Field(
         None,
+        alias="samplesPerPrompt",
         ge=1,
         le=1024,
-        description="Responses per prompt. Unset: spec.algorithm.groupSize for grpo/dapo, 1 for "
-        "ppo. With group-relative advantages it must equal groupSize.",
+        description="Responses sampled per prompt (vLLM's n). Unset: spec.algorithm.groupSize "
+        "for grpo/dapo, 1 for ppo. With group-relative advantages it must equal groupSize.",
     )
     max_tokens: int = Field(1024, ge=1, le=1_048_576, description="Maximum response length.")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
@@ -535,7 +546,7 @@ class Rollout(SpecModel):
             rule="!has(self.minReplicas) || self.minReplicas <= self.replicas",
             message="spec.rollout.minReplicas must be <= spec.rollout.replicas; lower minReplicas "
             "or raise replicas",
-            holds=lambda r: r.get("minReplicas", 0) <= r["replicas"],
+            holds=lambda r: "minReplicas" not in r or r["minReplicas"] <= r["replicas"],
             field_path=".minReplicas",
         ),
         CelRule(
@@ -563,10 +574,10 @@ class GradientCompression(SpecModel):
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
-            rule="self.type != 'powerSGD' || has(self.rank)",
+            rule="!has(self.type) || self.type != 'powerSGD' || has(self.rank)",
             message="spec.trainer.gradientCompression.rank: powerSGD needs rank >= 1 (e.g. 4); "
             "set rank or pick type none, fp16 or bf16",
-            holds=lambda g: g["type"] != "powerSGD" or g.get("rank", 0) >= 1,
+            holds=lambda g: g.get("type") != "powerSGD" or g.get("rank", 0) >= 1,
             field_path=".rank",
             reason="FieldValueRequired",
         ),
@@ -707,11 +718,16 @@ class FailurePolicy(SpecModel):
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
-            rule="self.backoffSeconds <= self.maxBackoffSeconds",
+            rule="!has(self.backoffSeconds) || !has(self.maxBackoffSeconds) || "
+            "self.backoffSeconds <= self.maxBackoffSeconds",
             message="spec.failurePolicy.backoffSeconds must be <= "
             "spec.failurePolicy.maxBackoffSeconds; lower backoffSeconds or raise "
             "maxBackoffSeconds",
-            holds=lambda f: f["backoffSeconds"] <= f["maxBackoffSeconds"],
+            holds=lambda f: (
+                "backoffSeconds" not in f
+                or "maxBackoffSeconds" not in f
+                or f["backoffSeconds"] <= f["maxBackoffSeconds"]
+            ),
             field_path=".backoffSeconds",
         ),
     )
@@ -871,17 +887,18 @@ class RLJobSpec(SpecModel):
             reason="FieldValueRequired",
         ),
         CelRule(
-            rule="!has(self.rollout.sampling.n) || "
+            rule="!has(self.rollout.sampling.samplesPerPrompt) || "
             f"!{_USES_GROUPS_CEL.replace('self.', 'self.algorithm.')} || "
-            "self.rollout.sampling.n == self.algorithm.groupSize",
-            message="spec.rollout.sampling.n must equal spec.algorithm.groupSize with "
-            "group-relative advantages (grpo, dapo); remove n or set it to groupSize",
+            "self.rollout.sampling.samplesPerPrompt == self.algorithm.groupSize",
+            message="spec.rollout.sampling.samplesPerPrompt must equal spec.algorithm.groupSize "
+            "with group-relative advantages (grpo, dapo); remove samplesPerPrompt or set it to "
+            "groupSize",
             holds=lambda s: (
-                "n" not in s["rollout"]["sampling"]
+                "samplesPerPrompt" not in s["rollout"]["sampling"]
                 or not _uses_groups(s["algorithm"])
-                or s["rollout"]["sampling"]["n"] == s["algorithm"]["groupSize"]
+                or s["rollout"]["sampling"]["samplesPerPrompt"] == s["algorithm"]["groupSize"]
             ),
-            field_path=".rollout.sampling.n",
+            field_path=".rollout.sampling.samplesPerPrompt",
         ),
         CelRule(
             rule="!has(self.weightSync.method) || self.weightSync.method != 'inProcess' "
@@ -1118,7 +1135,7 @@ def resolve_advantage_estimator(algorithm: Algorithm) -> AdvantageEstimator:
 
 
 def responses_per_prompt(spec: RLJobSpec) -> int:
-    """Responses sampled per prompt: sampling.n, else groupSize with group advantages, else 1."""
+    """Responses per prompt: samplesPerPrompt, else groupSize with group advantages, else 1."""
     if spec.rollout.sampling.n is not None:
         return spec.rollout.sampling.n
     return 1 if resolve_advantage_estimator(spec.algorithm) == "gae" else spec.algorithm.group_size

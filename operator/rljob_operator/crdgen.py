@@ -14,6 +14,7 @@ result against the API server's structural rules before anything is written.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -303,12 +304,38 @@ def _list_map_errors(schema: Mapping[str, Any], at: str) -> list[str]:
     ]
 
 
+class _Dumper(yaml.SafeDumper):
+    """Quotes every YAML 1.1 boolean/null word: kubectl's YAML reader takes a bare ``n`` or
+    ``y`` for a boolean, which PyYAML would leave unquoted."""
+
+
+_YAML11_WORDS = re.compile(r"(?i:y|n|yes|no|true|false|on|off|null|~)")
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "'" if _YAML11_WORDS.fullmatch(value) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def dump_yaml(data: Any) -> str:
+    """Stable YAML: sorted keys, block style, ambiguous words quoted."""
+    text: str = yaml.dump(
+        data,
+        Dumper=_Dumper,
+        sort_keys=True,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
+    return text
+
+
 def render_crd() -> str:
     """The CRD as the YAML text written to every output file."""
-    body = yaml.safe_dump(
-        build_crd(), sort_keys=True, default_flow_style=False, allow_unicode=True, width=100
-    )
-    return HEADER + body
+    return HEADER + dump_yaml(build_crd())
 
 
 def stale_outputs(root: Path) -> list[Path]:

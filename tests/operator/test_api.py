@@ -265,8 +265,8 @@ INVALID = [
     ),
     (
         "sampling-n-differs-from-group-size",
-        {"rollout": {"sampling": {"n": 4}}},
-        "spec.rollout.sampling.n must equal spec.algorithm.groupSize",
+        {"rollout": {"sampling": {"samplesPerPrompt": 4}}},
+        "spec.rollout.sampling.samplesPerPrompt must equal spec.algorithm.groupSize",
     ),
     (
         "in-process-weight-sync-on-auto",
@@ -345,8 +345,11 @@ VALID = [
         {"algorithm": {"name": "dapo"}, "topology": "disaggregated"},
     ),
     ("ppo-group-of-1", {"algorithm": {"name": "ppo", "groupSize": 1}}),
-    ("ppo-any-n", {"algorithm": {"name": "ppo"}, "rollout": {"sampling": {"n": 4}}}),
-    ("n-equals-group-size", {"algorithm": {"groupSize": 4}, "rollout": {"sampling": {"n": 4}}}),
+    ("ppo-any-n", {"algorithm": {"name": "ppo"}, "rollout": {"sampling": {"samplesPerPrompt": 4}}}),
+    (
+        "n-equals-group-size",
+        {"algorithm": {"groupSize": 4}, "rollout": {"sampling": {"samplesPerPrompt": 4}}},
+    ),
     ("dataset-task", {"task": {"builtin": None, "datasetPath": "/data/train.jsonl"}}),
     ("elastic-bounds", {"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2}}),
     ("powersgd-with-rank", {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}}),
@@ -462,7 +465,7 @@ def test_resolve_advantage_estimator_defaults_by_algorithm(
 def test_responses_per_prompt_group_size_for_grpo_one_for_ppo_n_when_set() -> None:
     assert responses_per_prompt(_spec({"algorithm": {"groupSize": 4}})) == 4
     assert responses_per_prompt(_spec({"algorithm": {"name": "ppo"}})) == 1
-    ppo_n = {"algorithm": {"name": "ppo"}, "rollout": {"sampling": {"n": 3}}}
+    ppo_n = {"algorithm": {"name": "ppo"}, "rollout": {"sampling": {"samplesPerPrompt": 3}}}
     assert responses_per_prompt(_spec(ppo_n)) == 3
 
 

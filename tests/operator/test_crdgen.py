@@ -66,6 +66,19 @@ def test_check_missing_files_exits_nonzero(tmp_path: Path) -> None:
     assert crdgen.main(["--check", "--root", str(tmp_path)]) == 1
 
 
+def test_dump_yaml_quotes_yaml11_boolean_words() -> None:
+    assert (
+        crdgen.dump_yaml({"n": "y", "on": "Off", "x": "nope"}) == "'n': 'y'\n'on': 'Off'\nx: nope\n"
+    )
+
+
+def test_property_names_are_not_yaml11_boolean_words() -> None:
+    # kubectl reads a bare `n:` or `on:` key in a user's manifest as the boolean false/true
+    words = {"y", "n", "yes", "no", "true", "false", "on", "off", "null"}
+    for path, _ in _nodes(ROOT):
+        assert path.rsplit(".", 1)[-1].lower() not in words, path
+
+
 def test_render_is_deterministic_yaml_of_the_crd() -> None:
     text = crdgen.render_crd()
     assert text == crdgen.render_crd()
@@ -490,6 +503,16 @@ MINIMAL = {
 }
 
 
+def test_published_empty_defaults_pass_their_cel_rules() -> None:
+    # the API server validates a `default: {}` against the node's rules before defaulting inside
+    checked = 0
+    for path, node in _nodes(SPEC, ".spec"):
+        if node.get("default") == {} and node.get("x-kubernetes-validations"):
+            assert cel_failures(node, {}) == [], path
+            checked += 1
+    assert checked >= 3
+
+
 def test_server_defaulting_matches_pydantic_defaults() -> None:
     server = _defaulted_spec(MINIMAL)
     parsed = parse_rljob(_manifest(copy.deepcopy(MINIMAL))).spec
@@ -529,7 +552,7 @@ MENU: dict[tuple[str, ...], list[Any]] = {
     ("rollout", "replicas"): [ABSENT, 2, 5],
     ("rollout", "minReplicas"): [ABSENT, 1, 3],
     ("rollout", "maxReplicas"): [ABSENT, 1, 4],
-    ("rollout", "sampling", "n"): [ABSENT, 1, 8],
+    ("rollout", "sampling", "samplesPerPrompt"): [ABSENT, 1, 8],
     ("rollout", "sampling", "maxTokens"): [ABSENT, 16],
     ("rollout", "resources", "limits"): [ABSENT, {"cpu": "2"}, {"nvidia.com/gpu": 1}],
     ("trainer", "resources", "requests"): [ABSENT, {"memory": "8Gi"}, {"nvidia.com/gpu": "1"}],
@@ -597,7 +620,7 @@ COUNTEREXAMPLES = {
     "trainer-gpu": {"trainer": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
     "powersgd-rank": {"trainer": {"gradientCompression": {"type": "powerSGD"}}},
     "backoff": {"failurePolicy": {"backoffSeconds": 100, "maxBackoffSeconds": 50}},
-    "sampling-n": {"rollout": {"sampling": {"n": 3}}},
+    "sampling-n": {"rollout": {"sampling": {"samplesPerPrompt": 3}}},
     "in-process": {
         "weightSync": {"method": "inProcess"},
         "topology": "disaggregated",
