@@ -30,6 +30,8 @@ HEADER = (
     "# Do not edit: change the models and regenerate.\n"
 )
 
+# A column shows one JSONPath, so "Rollouts" reads status.rolloutReadyText ("2/3", like a
+# Deployment's READY), which the operator fills from status.rollout.ready/desired.
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Algorithm", "type": "string", "jsonPath": ".spec.algorithm.name"},
     {
