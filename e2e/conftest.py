@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from e2e.cluster import LocalCluster
 from e2e.helpers import wait_for
+from e2e.operator_proc import OperatorProcess, install_crd
 
 _timings: dict[str, float] = {}
 
@@ -43,3 +45,30 @@ def namespace(cluster: LocalCluster) -> Iterator[str]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for what, seconds in _timings.items():
         terminalreporter.write_line(f"{what}: {seconds:.1f}")
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: LocalCluster) -> None:
+    """The generated RLJob CRD, installed."""
+    install_crd(cluster)
+
+
+@pytest.fixture(scope="session")
+def operator(
+    cluster: LocalCluster, crd: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator running cluster-wide as a real process (restartable by tests)."""
+    proc = OperatorProcess(cluster, Path(tmp_path_factory.mktemp("operator")) / "operator.log")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def live_operator(operator: OperatorProcess) -> OperatorProcess:
+    """The session operator, restarted first if an earlier test killed it."""
+    if operator.proc is None or operator.proc.poll() is not None:
+        operator.start()
+    return operator

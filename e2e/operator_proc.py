@@ -1,0 +1,90 @@
+"""Run the operator as a real process against the local control plane (for tests and benches)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from e2e.cluster import REPO, LocalCluster, _die_with_parent, free_port
+
+CRD = REPO / "crds" / "rljob.yaml"
+
+
+def install_crd(cluster: LocalCluster) -> None:
+    """Apply the generated CRD and wait until the API server serves it."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+
+
+@dataclass
+class OperatorProcess:
+    """``python -m rljob_operator`` with its own liveness/metrics ports and a log file."""
+
+    cluster: LocalCluster
+    log_path: Path
+    args: tuple[str, ...] = ("--all-namespaces",)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    liveness_port: int = 0
+    metrics_port: int = 0
+
+    def start(self, timeout: float = 60) -> None:
+        self.liveness_port, self.metrics_port = free_port(), free_port()
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rljob_operator",
+                *self.args,
+                f"--liveness-port={self.liveness_port}",
+                f"--metrics-port={self.metrics_port}",
+            ],
+            cwd=REPO,
+            env={**self.cluster.env(), **self.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited {self.proc.returncode}:\n{self.tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"operator not live after {timeout}s:\n{self.tail()}")
+
+    def healthy(self) -> bool:
+        return self._get(f"http://127.0.0.1:{self.liveness_port}/healthz") is not None
+
+    def metrics(self) -> str:
+        return self._get(f"http://127.0.0.1:{self.metrics_port}/metrics") or ""
+
+    @staticmethod
+    def _get(url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.read().decode() if resp.status == 200 else None
+        except OSError:
+            return None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
