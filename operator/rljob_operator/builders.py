@@ -11,7 +11,16 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rljob_operator.api import GROUP, KIND, VERSION, RLJob, RLJobSpec
+from rljob_operator.api import (
+    GROUP,
+    KIND,
+    VERSION,
+    RLJob,
+    RLJobSpec,
+    resolve_advantage_estimator,
+    resolve_weight_sync_method,
+    responses_per_prompt,
+)
 from rljob_workers.config import (
     AlgorithmConfig,
     BufferConfig,
@@ -131,7 +140,7 @@ def trainer_host(job: JobRef, topology: Topology) -> str:
 def build_algorithm_config(spec: RLJobSpec) -> AlgorithmConfig:
     """Resolved RL hyper-parameters (estimator and policy loss derived from the spec)."""
     a = spec.algorithm
-    estimator = a.advantage_estimator or ("gae" if a.name == "ppo" else "grpo")
+    estimator = resolve_advantage_estimator(spec.algorithm)
     correction = spec.staleness.correction
     policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis"] = (
         "decoupled-ppo"
@@ -203,7 +212,7 @@ def build_worker_config(
         rollout=RolloutConfig(
             engine=spec.rollout.engine,
             sampling=SamplingConfig(
-                n=sampling.n or spec.algorithm.group_size,
+                n=responses_per_prompt(spec),
                 max_tokens=sampling.max_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
@@ -229,7 +238,7 @@ def build_worker_config(
             capacity=spec.buffer.capacity, max_age_seconds=spec.buffer.max_age_seconds
         ),
         weight_sync=WeightSyncConfig(
-            method=_weight_sync_method(spec, topology),
+            method=resolve_weight_sync_method(spec, topology),
             compression=spec.weight_sync.compression,
         ),
         checkpoint=CheckpointConfig(
@@ -249,15 +258,6 @@ def build_worker_config(
         seed=spec.seed,
         output_dir=output_dir,
     )
-
-
-def _weight_sync_method(
-    spec: RLJobSpec, topology: Topology
-) -> Literal["inProcess", "file", "http", "nccl"]:
-    method = spec.weight_sync.method
-    if topology == "colocated":
-        return "inProcess"
-    return "http" if method in (None, "inProcess") else method
 
 
 def config_hash(config_json: str) -> str:

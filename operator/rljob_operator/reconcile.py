@@ -197,6 +197,7 @@ def _status(
             "rollout": per_role.get("rollout", per_role.get("actor", {"ready": 0, "desired": 0})),
             "trainer": per_role.get("trainer", per_role.get("actor", {"ready": 0, "desired": 0})),
             "rolloutReplicas": per_role[rollout_role]["ready"],
+            "rolloutReadyText": "{ready}/{desired}".format(**per_role[rollout_role]),
             "rolloutSelector": f"rljob.io/job={ref.name},rljob.io/role={rollout_role}",
         }
     )
