@@ -1,0 +1,208 @@
+"""The rollout side of the experience stream: ``ExperienceClient``.
+
+At-least-once delivery: ``submit`` keeps a trajectory as *pending* until the trainer acks it;
+``flush`` sends pending trajectories in batches and retries transport failures (refused or cut
+connections, timeouts, 5xx) with jittered exponential backoff until everything is acked or the
+deadline passes. Nothing is forgotten on a failure: the next ``flush`` sends it again, so a
+trainer restart costs time, not data. The server de-duplicates by id, so a retry after a lost ack
+is harmless. A refused token (401/403) raises ``AuthError`` at once: retrying cannot fix it.
+
+One client per rollout worker thread; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from rljob_workers.buffer import Trajectory
+from rljob_workers.transport.auth import AuthError, bearer_header
+from rljob_workers.transport.codec import CONTENT_TYPE, encode_trajectories
+
+__all__ = ["ClientStats", "ControlAnswer", "ExperienceClient"]
+
+
+@dataclass(frozen=True)
+class ControlAnswer:
+    """The trainer's answer to "may I keep generating with policy version N?"."""
+
+    policy_version: int
+    max_versions: int | None
+    behind: int
+    hold: bool
+
+
+@dataclass
+class ClientStats:
+    """Counts since the client was created."""
+
+    batches_sent: int = 0
+    acked: int = 0
+    duplicates: int = 0
+    retries: int = 0
+    bytes_sent: int = 0
+
+
+class _Retryable(Exception):
+    pass
+
+
+class ExperienceClient:
+    """Deliver trajectories to an ``ExperienceServer`` at ``url`` (e.g. ``http://trainer:29600``).
+
+    Args:
+        url: the server's base URL.
+        token: the job's shared token.
+        batch_size: most trajectories per request.
+        max_pending: most unacked trajectories held; ``submit`` raises ``BufferError`` beyond.
+        request_timeout_s: socket timeout of one request.
+        backoff_initial_s, backoff_max_s: retry delays double from the first to the cap.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        batch_size: int = 64,
+        max_pending: int = 4096,
+        request_timeout_s: float = 10.0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        seed: int | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"url: expected http://host:port, got {url!r}")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._headers = bearer_header(token)
+        self.batch_size = batch_size
+        self.max_pending = max_pending
+        self.request_timeout_s = request_timeout_s
+        self.backoff = (backoff_initial_s, backoff_max_s)
+        self.stats = ClientStats()
+        self.last_policy_version: int | None = None
+        self._pending: dict[str, Trajectory] = {}
+        self._conn: http.client.HTTPConnection | None = None
+        self._rng = random.Random(seed)
+
+    @property
+    def pending(self) -> int:
+        """How many submitted trajectories are not yet acked."""
+        return len(self._pending)
+
+    def submit(self, trajectory: Trajectory) -> None:
+        """Queue ``trajectory`` for delivery; ``BufferError`` when ``max_pending`` are unacked."""
+        if trajectory.id in self._pending:
+            return
+        if len(self._pending) >= self.max_pending:
+            raise BufferError(
+                f"{len(self._pending)} trajectories unacked (max_pending={self.max_pending}): "
+                "flush() until the trainer accepts them before submitting more"
+            )
+        self._pending[trajectory.id] = trajectory
+
+    def flush(self, timeout_s: float) -> int:
+        """Send pending trajectories until all are acked; return how many were acked.
+
+        Raises ``TimeoutError`` when some are still unacked after ``timeout_s`` (they stay
+        pending for the next call) and ``AuthError`` when the server refuses the token.
+        """
+        deadline = time.monotonic() + timeout_s
+        acked = 0
+        while self._pending:
+            batch = list(itertools.islice(self._pending.values(), self.batch_size))
+            body = encode_trajectories(batch)
+            answer = self._request("POST", "/v1/experience", body, deadline)
+            self.stats.batches_sent += 1
+            self.stats.bytes_sent += len(body)
+            self.stats.duplicates += int(answer.get("duplicates", 0))
+            self.last_policy_version = int(answer["policy_version"])
+            for trajectory_id in answer["acked"]:
+                if self._pending.pop(trajectory_id, None) is not None:
+                    acked += 1
+        self.stats.acked += acked
+        return acked
+
+    def send(self, trajectories: Iterable[Trajectory], timeout_s: float) -> int:
+        """``submit`` each trajectory, then ``flush``."""
+        for trajectory in trajectories:
+            self.submit(trajectory)
+        return self.flush(timeout_s)
+
+    def control(self, version: int, timeout_s: float = 10.0) -> ControlAnswer:
+        """Ask the trainer for its policy version and whether ``version`` must hold back."""
+        path = "/v1/control?" + urlencode({"version": version})
+        answer = self._request("GET", path, None, time.monotonic() + timeout_s)
+        self.last_policy_version = int(answer["policy_version"])
+        return ControlAnswer(
+            policy_version=int(answer["policy_version"]),
+            max_versions=answer["max_versions"],
+            behind=int(answer["behind"]),
+            hold=bool(answer["hold"]),
+        )
+
+    def close(self) -> None:
+        """Close the connection (pending trajectories are kept in memory)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _request(self, method: str, path: str, body: bytes | None, deadline: float) -> Any:
+        delay = self.backoff[0]
+        while True:
+            try:
+                return self._request_once(method, path, body, deadline)
+            except _Retryable as err:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"{method} {path} to {self._host}:{self._port} failed until the deadline "
+                        f"({err}); {len(self._pending)} trajectories kept pending"
+                    ) from None
+                self.stats.retries += 1
+                time.sleep(min(self._rng.uniform(delay / 2, delay), remaining))
+                delay = min(delay * 2, self.backoff[1])
+
+    def _request_once(self, method: str, path: str, body: bytes | None, deadline: float) -> Any:
+        timeout = max(0.05, min(self.request_timeout_s, deadline - time.monotonic()))
+        headers = {**self._headers, "Content-Type": CONTENT_TYPE}
+        try:
+            conn = self._connection(timeout)
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as err:
+            self.close()
+            raise _Retryable(f"{type(err).__name__}: {err}") from None
+        if response.will_close:
+            self.close()
+        return self._interpret(response.status, payload)
+
+    def _interpret(self, status: int, payload: bytes) -> Any:
+        if status in (401, 403):
+            raise AuthError(
+                f"trainer at {self._host}:{self._port} refused the job token ({status}): "
+                "check that RLJOB_TOKEN comes from this job's Secret"
+            )
+        if status >= 500:
+            raise _Retryable(f"HTTP {status}")
+        if status != 200:
+            raise ValueError(f"trainer answered {status}: {payload[:200]!r}")
+        return json.loads(payload)
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        else:
+            self._conn.timeout = timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
+        return self._conn

@@ -1,0 +1,202 @@
+"""The trainer side of the experience stream: ``ExperienceServer``.
+
+Endpoints (all but ``/healthz`` need ``Authorization: Bearer <job token>``):
+
+- ``POST /v1/experience`` — a JSON-lines batch (see ``codec``). Every trajectory is offered to
+  the sink before the answer is sent, so an ack means "accepted into the buffer" (or dropped
+  for a reason retrying cannot fix: stale, expired, capacity). Answer::
+
+      {"acked": [ids...], "accepted": 3, "duplicates": 1, "dropped": 0, "policy_version": 7}
+
+- ``GET /v1/control?version=N`` — the staleness backpressure question of a rollout that
+  generates with policy version N::
+
+      {"policy_version": 7, "max_versions": 2, "behind": 1, "hold": false}
+
+  ``hold`` is true when ``policy_version - N >= max_versions``: the rollout should fetch newer
+  weights before generating more (never true when the bound is unset).
+
+De-duplication: ids seen by this server are remembered, so a batch re-sent after a lost ack is
+acked again but offered to the sink only once; an ``ExperienceBuffer`` sink de-duplicates by id as
+well, which also covers a restarted server feeding the same buffer. A restarted trainer *process*
+starts from its last checkpoint with an empty buffer: trajectories it accepted but never trained
+on are gone with it, and the clients' retries of unacked ones are then welcome, not duplicates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+
+from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.transport.authhttp import (
+    AuthenticatedHTTPServer,
+    BadRequest,
+    Request,
+    Response,
+    json_response,
+)
+from rljob_workers.transport.codec import decode_trajectories
+
+__all__ = ["ExperienceServer", "ServerStats", "should_hold"]
+
+Sink = ExperienceBuffer | Callable[[Trajectory], bool]
+
+
+def should_hold(current_version: int, rollout_version: int, max_versions: int | None) -> bool:
+    """Whether a rollout on ``rollout_version`` must hold back (``None`` bound: never)."""
+    return max_versions is not None and current_version - rollout_version >= max_versions
+
+
+@dataclass
+class ServerStats:
+    """Counts since the server started."""
+
+    batches: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+    bytes_received: int = 0
+
+
+class ExperienceServer:
+    """Receive trajectories from rollout workers into ``sink`` (runs inside the trainer).
+
+    Args:
+        token: the job's shared token (``token_from_env()``).
+        sink: an ``ExperienceBuffer`` (given ``now`` from ``clock`` and the current policy
+            version) or a callable returning whether it kept the trajectory.
+        max_versions: the staleness bound for the control channel; None disables holding.
+        host, port: where to listen; port 0 picks a free port (see ``address``).
+        clock: wall-clock seconds, the clock trajectories' ``created_at`` is on.
+
+    The trainer must hold ``locked()`` while it reads or takes from a buffer sink.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        sink: Sink,
+        *,
+        max_versions: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock: Callable[[], float] = time.time,
+        max_body_bytes: int = 64 << 20,
+    ) -> None:
+        self.sink = sink
+        self.max_versions = max_versions
+        self.stats = ServerStats()
+        self._clock = clock
+        self._version = 0
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        routes = {("POST", "/v1/experience"): self._receive, ("GET", "/v1/control"): self._control}
+        self._http = AuthenticatedHTTPServer(
+            token, routes, host=host, port=port, max_body_bytes=max_body_bytes
+        )
+
+    @property
+    def url(self) -> str:
+        """Base URL clients connect to."""
+        return self._http.url
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound ``(host, port)``."""
+        return self._http.address
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Refused requests by reason: ``missing_token`` (401), ``wrong_token`` (403)."""
+        return dict(self._http.refused)
+
+    @property
+    def policy_version(self) -> int:
+        """The trainer's current policy version, as announced to rollouts."""
+        return self._version
+
+    def set_policy_version(self, version: int) -> None:
+        """Announce a new policy version (after the trainer published new weights)."""
+        with self._lock:
+            self._version = version
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the sink lock: no trajectory is added while the trainer reads the buffer."""
+        with self._lock:
+            yield
+
+    def start(self) -> ExperienceServer:
+        """Start serving on a background thread; returns self."""
+        self._http.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving and cut open connections (clients will retry elsewhere or later)."""
+        self._http.close()
+
+    def __enter__(self) -> ExperienceServer:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _receive(self, request: Request) -> Response:
+        try:
+            trajectories = decode_trajectories(request.body)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        with self._lock:
+            if self._http.closing.is_set():
+                return json_response({"error": "shutting down"}, 503)
+            counts = self._offer_all(trajectories)
+            self.stats.batches += 1
+            self.stats.bytes_received += len(request.body)
+            version = self._version
+        acked = [t.id for t in trajectories]
+        return json_response({"acked": acked, **counts, "policy_version": version})
+
+    def _offer_all(self, trajectories: list[Trajectory]) -> dict[str, int]:
+        counts = {"accepted": 0, "duplicates": 0, "dropped": 0}
+        for trajectory in trajectories:
+            if trajectory.id in self._seen:
+                counts["duplicates"] += 1
+                continue
+            self._seen.add(trajectory.id)
+            counts[self._offer(trajectory)] += 1
+        self.stats.accepted += counts["accepted"]
+        self.stats.duplicates += counts["duplicates"]
+        self.stats.dropped += counts["dropped"]
+        return counts
+
+    def _offer(self, trajectory: Trajectory) -> str:
+        if not isinstance(self.sink, ExperienceBuffer):
+            return "accepted" if self.sink(trajectory) else "dropped"
+        duplicates_before = self.sink.dropped["duplicate"]
+        if self.sink.add(trajectory, now=self._clock(), current_version=self._version):
+            return "accepted"
+        return "duplicates" if self.sink.dropped["duplicate"] > duplicates_before else "dropped"
+
+    def _control(self, request: Request) -> Response:
+        try:
+            rollout_version = int(request.query["version"])
+        except (KeyError, ValueError):
+            raise BadRequest(
+                "query parameter 'version': expected the rollout's policy version"
+            ) from None
+        current = self._version
+        return json_response(
+            {
+                "policy_version": current,
+                "max_versions": self.max_versions,
+                "behind": current - rollout_version,
+                "hold": should_hold(current, rollout_version, self.max_versions),
+            }
+        )
