@@ -192,3 +192,35 @@ class ProcessEnv(_Model):
             config_path=e.get(CONFIG_FILE_ENV, "/etc/rljob/config.json"),
             token=e.get("RLJOB_TOKEN"),
         )
+
+
+PROGRESS_CONFIGMAP_SUFFIX = "-progress"
+
+
+class Progress(_Model):
+    """A worker's heartbeat: what it reports to the operator (one entry per process).
+
+    Workers write it as JSON under the key ``<role>-<replica>`` of the job's progress ConfigMap
+    (``<job>-progress``; the worker ServiceAccount may get and patch only that object). In local
+    runs the same JSON goes to a file. The operator copies it into the RLJob status and drives
+    failover, elastic scaling and the policy-lag degrade rule from it.
+    """
+
+    role: Role
+    replica: int = 0
+    time: float = Field(description="unix seconds when this report was written")
+    step: int = 0
+    policy_version: int = 0
+    policy_lag_ms: float | None = None
+    policy_lag_versions: float | None = None
+    buffer_age_seconds: float | None = None
+    dropped: dict[str, int] = Field(default_factory=dict)
+    last_checkpoint: str | None = None
+    tokens_per_second: float | None = None
+    reward_mean: float | None = None
+    starving: bool = Field(False, description="the trainer waited for experience this interval")
+    done: bool = Field(False, description="totalSteps reached; the job may finish")
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}-{self.replica}"
