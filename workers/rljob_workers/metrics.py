@@ -1,0 +1,211 @@
+"""Worker metrics: a Prometheus endpoint and a JSONL file with one line per training step.
+
+Every worker process exposes ``/metrics`` on ``endpoints.metrics_port`` (``0`` picks a free
+port; a port already in use falls back to a free one, so several processes on one host never
+collide) and appends its per-step metrics to ``<output_dir>/metrics-<role>-<rank>.jsonl``, the
+file the local runner tails for its live display and final report.
+
+A step record is a flat JSON object. Keys every runtime writes (others may be added):
+``step``, ``policy_version``, ``reward_mean``, ``kl``, ``entropy``, ``clip_fraction``,
+``advantage_var``, ``tokens_per_s``, ``step_time_s``, ``policy_lag_ms``,
+``policy_lag_versions``, ``time``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = [
+    "STEP_GAUGES",
+    "MetricsLog",
+    "WorkerMetrics",
+    "metrics_log_path",
+    "read_metrics_log",
+]
+
+log = logging.getLogger(__name__)
+
+STEP_GAUGES: dict[str, tuple[str, str]] = {
+    "step": ("rljob_step", "Training steps completed"),
+    "policy_version": ("rljob_policy_version", "Version of the newest policy weights"),
+    "reward_mean": ("rljob_reward_mean", "Mean task reward of the last step's samples"),
+    "kl": ("rljob_kl", "KL estimate of the last step (to the reference policy when one is set)"),
+    "entropy": ("rljob_entropy", "Mean per-token policy entropy (nats)"),
+    "clip_fraction": ("rljob_clip_fraction", "Fraction of tokens whose ratio was clipped"),
+    "advantage_var": ("rljob_advantage_variance", "Variance of the sequence advantages"),
+    "tokens_per_s": ("rljob_tokens_per_second", "Generated tokens per second of step time"),
+    "policy_lag_ms": ("rljob_policy_lag_ms", "optimizer.step() to engine serving the weights"),
+    "policy_lag_versions": ("rljob_policy_lag_versions", "Versions the samples lagged"),
+    "buffer_age_s": ("rljob_buffer_age_seconds", "Age of the oldest sample used or buffered"),
+}
+"""Step-record key -> (Prometheus gauge name, help)."""
+
+LAG_MS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, 5000.0)
+STEP_TIME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def metrics_log_path(output_dir: str | Path, role: str, rank: int) -> Path:
+    """``<output_dir>/metrics-<role>-<rank>.jsonl``."""
+    return Path(output_dir) / f"metrics-{role}-{rank}.jsonl"
+
+
+class WorkerMetrics:
+    """The Prometheus side: gauges, histograms and counters of one worker process.
+
+    Uses its own registry (not the process-global one), so several instances can coexist in a
+    test. Labels ``job``, ``role`` and ``rank`` are attached to every series.
+    """
+
+    def __init__(self, *, job: str, role: str, rank: int) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"job": job, "role": role, "rank": str(rank)}
+        names = list(self._labels)
+        self._gauges = {
+            key: Gauge(name, help_text, names, registry=self.registry)
+            for key, (name, help_text) in STEP_GAUGES.items()
+        }
+        self._lag_ms = Histogram(
+            "rljob_policy_lag_ms_distribution",
+            "Policy lag per step (ms)",
+            names,
+            buckets=LAG_MS_BUCKETS,
+            registry=self.registry,
+        )
+        self._step_time = Histogram(
+            "rljob_step_time_seconds",
+            "Wall time of one training step",
+            names,
+            buckets=STEP_TIME_BUCKETS,
+            registry=self.registry,
+        )
+        self._dropped = Counter(
+            "rljob_dropped_samples",
+            "Samples generated but not trained on, by reason",
+            [*names, "reason"],
+            registry=self.registry,
+        )
+        self._lag_exceeded = Counter(
+            "rljob_policy_lag_threshold_exceeded",
+            "Steps whose policy lag was above staleness.maxPolicyLagMs",
+            names,
+            registry=self.registry,
+        )
+        self.port: int | None = None
+        self._server: Any = None
+
+    def serve(self, port: int, *, addr: str = "0.0.0.0") -> int:
+        """Start the ``/metrics`` HTTP endpoint; return the bound port.
+
+        ``port=0`` binds a free port; a port in use falls back to a free one with a warning.
+        """
+        try:
+            server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or port == 0:
+                raise
+            log.warning("metrics port %d in use; binding a free port instead", port)
+            server, _thread = start_http_server(0, addr=addr, registry=self.registry)
+        self._server = server
+        self.port = int(server.server_port)
+        return self.port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (no-op when it was never started)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def observe_step(self, record: Mapping[str, Any], *, lag_threshold_ms: float | None) -> None:
+        """Update every series from one step record (missing or non-finite keys are skipped)."""
+        for key, gauge in self._gauges.items():
+            value = _finite(record.get(key))
+            if value is not None:
+                gauge.labels(**self._labels).set(value)
+        lag = _finite(record.get("policy_lag_ms"))
+        if lag is not None:
+            self._lag_ms.labels(**self._labels).observe(lag)
+            if lag_threshold_ms is not None and lag > lag_threshold_ms:
+                self._lag_exceeded.labels(**self._labels).inc()
+        step_time = _finite(record.get("step_time_s"))
+        if step_time is not None:
+            self._step_time.labels(**self._labels).observe(step_time)
+
+    def count_dropped(self, reason: str, count: int) -> None:
+        """Add ``count`` samples dropped for ``reason`` (e.g. ``no_signal``, ``stale_version``)."""
+        if count > 0:
+            self._dropped.labels(**self._labels, reason=reason).inc(count)
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+class MetricsLog:
+    """Append-only JSONL step log; each line is flushed as soon as it is written."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append one record as a JSON line (non-finite floats become null)."""
+        if self._file is None:
+            raise ValueError(f"metrics log {self.path} is closed")
+        clean = {key: _json_safe(value) for key, value in record.items()}
+        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; later writes raise."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics_log(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL step log, one per step.
+
+    A torn last line (the writer is still appending) is skipped; when a step appears twice (a
+    run resumed from a checkpoint repeats the steps after it) the later record wins.
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    extra: list[dict[str, Any]] = []
+    with contextlib.suppress(FileNotFoundError), Path(path).open(encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            step = record.get("step")
+            if isinstance(step, int):
+                by_step[step] = record
+            else:
+                extra.append(record)
+    return [by_step[step] for step in sorted(by_step)] + extra

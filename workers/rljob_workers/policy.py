@@ -1,0 +1,264 @@
+"""The training side of RL: the policy (a Hugging Face causal LM) and the PPO critic.
+
+Sequences are laid out the way the losses expect them (``B`` sequences, ``T`` response tokens):
+prompts are left-padded to a common length ``P`` and responses right-padded to ``T``, so
+response token ``t`` of every row sits in column ``P + t`` and its log-probability comes from
+the logits in column ``P + t - 1``. Position ids skip the left padding, so a padded row scores
+exactly like the same row alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rljob_workers.algos import entropy_from_logits
+
+__all__ = [
+    "PolicyModel",
+    "SequenceBatch",
+    "ValueModel",
+    "build_sequence_batch",
+    "load_causal_lm",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """Prompt + response token ids, padded for one forward pass.
+
+    Attributes:
+        input_ids: ``[B, P + T]`` left-padded prompts followed by right-padded responses.
+        attention_mask: ``[B, P + T]``, 1 for real tokens.
+        position_ids: ``[B, P + T]``, counting real tokens only.
+        response_mask: ``[B, T]``, 1 for real response tokens.
+        prompt_width: ``P``.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    response_mask: Tensor
+    prompt_width: int
+
+    @property
+    def response_ids(self) -> Tensor:
+        """``[B, T]`` response token ids (pad id where ``response_mask`` is 0)."""
+        return self.input_ids[:, self.prompt_width :]
+
+    def rows(self, index: Tensor | slice) -> SequenceBatch:
+        """The sub-batch of the selected rows (same padding widths)."""
+        return SequenceBatch(
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            position_ids=self.position_ids[index],
+            response_mask=self.response_mask[index],
+            prompt_width=self.prompt_width,
+        )
+
+
+def build_sequence_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+) -> SequenceBatch:
+    """Pad ``B`` prompts (left) and their responses (right) into one ``SequenceBatch``.
+
+    An empty response is allowed (its row of ``response_mask`` is all 0); at least one response
+    token is laid out (``T >= 1``) so shapes stay valid.
+    """
+    if len(prompt_ids) != len(response_ids) or not prompt_ids:
+        raise ValueError(
+            f"need as many prompts as responses (>= 1), got {len(prompt_ids)} and "
+            f"{len(response_ids)}"
+        )
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (e.g. the BOS token)")
+    width_p = max(len(p) for p in prompt_ids)
+    width_t = max(1, max(len(r) for r in response_ids))
+    rows, masks, response_masks = [], [], []
+    for prompt, response in zip(prompt_ids, response_ids, strict=True):
+        left = width_p - len(prompt)
+        right = width_t - len(response)
+        rows.append([pad_id] * left + list(prompt) + list(response) + [pad_id] * right)
+        masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
+        response_masks.append([1] * len(response) + [0] * right)
+    attention_mask = torch.tensor(masks, dtype=torch.long, device=device)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return SequenceBatch(
+        input_ids=torch.tensor(rows, dtype=torch.long, device=device),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=torch.tensor(response_masks, dtype=torch.float32, device=device),
+        prompt_width=width_p,
+    )
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> Any:
+    """Load a local Hugging Face causal LM (never downloads: ``local_files_only``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=DTYPES[dtype], local_files_only=True
+    )
+    nn.Module.to(model, device)
+    return model
+
+
+def _response_slice(batch: SequenceBatch, full: Tensor) -> Tensor:
+    """Columns ``P - 1 .. P + T - 2`` of ``full [B, P + T, ...]``: the ones predicting responses."""
+    width_t = batch.response_mask.shape[1]
+    return full[:, batch.prompt_width - 1 : batch.prompt_width - 1 + width_t]
+
+
+class PolicyModel(nn.Module):
+    """A causal LM that scores response tokens: log-probs, entropy, weights for the engine.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` module.
+        temperature: logits are divided by it before the softmax, matching sampling.
+    """
+
+    def __init__(self, model: Any, *, temperature: float = 1.0) -> None:
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.model = model
+        self.temperature = temperature
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        temperature: float = 1.0,
+        gradient_checkpointing: bool = False,
+    ) -> PolicyModel:
+        """Load the policy from a local checkpoint directory."""
+        policy = cls(load_causal_lm(path, dtype=dtype, device=device), temperature=temperature)
+        policy.set_gradient_checkpointing(gradient_checkpointing)
+        return policy
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+        if enabled:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            self.model.config.use_cache = False
+        elif getattr(self.model, "is_gradient_checkpointing", False):
+            self.model.gradient_checkpointing_disable()
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether activation recomputation is on."""
+        return bool(getattr(self.model, "is_gradient_checkpointing", False))
+
+    def forward(
+        self, batch: SequenceBatch, *, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and entropies) of the response tokens.
+
+        Returns:
+            ``(logp [B, T], entropy [B, T] or None)``; both 0 at padded positions.
+        """
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+        logits = _response_slice(batch, out.logits).float() / self.temperature
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logp = log_probs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+        logp = logp * batch.response_mask
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits) * batch.response_mask
+        return logp, entropy
+
+    @torch.no_grad()
+    def logprobs(self, batch: SequenceBatch, *, micro_batch_size: int = 64) -> Tensor:
+        """``[B, T]`` log-probs without gradients, in micro-batches."""
+        parts = [
+            self(batch.rows(slice(i, i + micro_batch_size)))[0]
+            for i in range(0, batch.input_ids.shape[0], micro_batch_size)
+        ]
+        return torch.cat(parts, dim=0)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` pairs in the checkpoint's naming, for a rollout engine to load.
+
+        Tensors are detached views of the live parameters (no copy); an engine that keeps
+        them must copy. Tied weights appear once, under their first name.
+        """
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict().items():
+            key = tensor.data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            yield name, tensor.detach()
+
+
+class ValueModel(nn.Module):
+    """The PPO critic: a transformer backbone plus a scalar value head per position.
+
+    Built from the policy checkpoint (its own copy of the backbone weights) with a zero-init
+    head, so the initial values are 0 everywhere.
+    """
+
+    def __init__(self, backbone: Any, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        gradient_checkpointing: bool = False,
+    ) -> ValueModel:
+        """Load the critic's backbone from a local causal-LM checkpoint."""
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=True)
+        critic = cls(backbone, int(backbone.config.hidden_size)).to(device)
+        critic.value_head.to(torch.float32)
+        if gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        return critic
+
+    def forward(self, batch: SequenceBatch) -> Tensor:
+        """``[B, T]`` values ``V(s_t)`` of the state before each response token; 0 at padding."""
+        out = self.backbone(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+        hidden = _response_slice(batch, out.last_hidden_state).float()
+        values: Tensor = self.value_head(hidden).squeeze(-1)
+        return values * batch.response_mask
