@@ -193,7 +193,7 @@ def _quiet_libraries() -> None:
     """No per-file progress bars in worker logs."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
