@@ -22,6 +22,7 @@ from rljob_operator.api import (
     responses_per_prompt,
 )
 from rljob_workers.config import (
+    PROGRESS_CONFIGMAP_SUFFIX,
     AlgorithmConfig,
     BufferConfig,
     CheckpointConfig,
@@ -93,6 +94,14 @@ def configmap_name(job: JobRef) -> str:
 
 def secret_name(job: JobRef) -> str:
     return f"{job.name}-token"
+
+
+def progress_name(job: JobRef) -> str:
+    return f"{job.name}{PROGRESS_CONFIGMAP_SUFFIX}"
+
+
+def worker_account_name(job: JobRef) -> str:
+    return f"{job.name}-worker"
 
 
 def labels(job: JobRef, role: Role | None = None) -> dict[str, str]:
@@ -288,6 +297,42 @@ def build_token_secret(job: JobRef, token: str) -> dict[str, Any]:
     }
 
 
+def build_progress_configmap(job: JobRef) -> dict[str, Any]:
+    """The ConfigMap workers write their heartbeats into (one key per process)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, progress_name(job)),
+    }
+
+
+def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
+    """ServiceAccount + Role + RoleBinding: workers may get and patch their progress ConfigMap only."""
+    name = worker_account_name(job)
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name)}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(job, name),
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [progress_name(job)],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(job, name),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+    }
+    return [account, role, binding]
+
+
 def build_headless_service(job: JobRef, role: Role) -> dict[str, Any]:
     """Headless Service giving each pod of a role a stable DNS name."""
     return {
@@ -331,7 +376,8 @@ def build_pod(
         "hostname": pod_name(job, role, index),
         "subdomain": service_name(job, role),
         "enableServiceLinks": False,
-        "automountServiceAccountToken": False,
+        "serviceAccountName": spec.service_account_name or worker_account_name(job),
+        "automountServiceAccountToken": True,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 1000,
@@ -343,9 +389,6 @@ def build_pod(
         "volumes": _volumes(spec, job),
         "terminationGracePeriodSeconds": 30,
     }
-    if spec.service_account_name:
-        pod_spec["serviceAccountName"] = spec.service_account_name
-        pod_spec["automountServiceAccountToken"] = True
     _scheduling(pod_spec, spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
@@ -465,7 +508,8 @@ def build_children(
     spec = job.spec
     config = build_worker_config(spec, ref, topology, checkpoint_dir=CHECKPOINT_MOUNT)
     digest = config_hash(config.dump())
-    objects = [build_configmap(ref, config), build_token_secret(ref, token)]
+    objects = [build_configmap(ref, config), build_progress_configmap(ref)]
+    objects += [build_token_secret(ref, token), *build_worker_rbac(ref)]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
     if not spec.suspend:

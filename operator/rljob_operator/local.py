@@ -85,8 +85,6 @@ def run_manifest_locally(
         config = config.model_copy(update={"total_steps": steps})
     from rljob_workers.local_runner import run_local
 
-    processes = [
-        (role, rank) for role in roles_for(topology) for rank in range(role_replicas(spec, role))
-    ]
+    processes = {role: role_replicas(spec, role) for role in roles_for(topology)}
     result = run_local(config, workdir=out, processes=processes)
     return 0 if result.ok else 1

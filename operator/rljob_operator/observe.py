@@ -18,6 +18,13 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
     services = kube.list("v1", "Service", namespace, selector)
     configmaps = kube.list("v1", "ConfigMap", namespace, selector)
     secrets = kube.list("v1", "Secret", namespace, selector)
+    present = {
+        ("ServiceAccount", a["metadata"]["name"])
+        for a in kube.list("v1", "ServiceAccount", namespace, selector)
+    }
+    for kind in ("Role", "RoleBinding"):
+        items = kube.list("rbac.authorization.k8s.io/v1", kind, namespace, selector)
+        present |= {(kind, i["metadata"]["name"]) for i in items}
     node_names = {p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName")}
     nodes = {n: observe_node_ready(kube, n) for n in sorted(node_names)}
     return Observed(
@@ -26,6 +33,7 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         services=frozenset(s["metadata"]["name"] for s in services),
         configmaps={c["metadata"]["name"]: c for c in configmaps},
         secrets=frozenset(s["metadata"]["name"] for s in secrets),
+        present=frozenset(present),
         nodes_ready=nodes,
     )
 

@@ -22,6 +22,7 @@ from rljob_operator.builders import (
 )
 
 TOKEN_PLACEHOLDER = "__generated__"
+RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding")
 CONDITION_TYPES = (
     "Created",
     "Running",
@@ -42,6 +43,7 @@ class Observed:
     services: frozenset[str] = frozenset()
     configmaps: dict[str, dict[str, Any]] = field(default_factory=dict)
     secrets: frozenset[str] = frozenset()
+    present: frozenset[tuple[str, str]] = frozenset()  # (kind, name) of RBAC objects
     nodes_ready: dict[str, bool] = field(default_factory=dict)
 
 
@@ -96,7 +98,10 @@ def _pod_ready(pod: dict[str, Any]) -> bool:
 
 
 def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
-    return observed is None or observed.get("data") != desired.get("data")
+    """Missing, or (for the operator-owned config) different data; progress is workers' to write."""
+    if observed is None:
+        return True
+    return "data" in desired and observed.get("data") != desired["data"]
 
 
 def reconcile(observed: Observed, *, now: float) -> Plan:
@@ -123,6 +128,7 @@ def reconcile(observed: Observed, *, now: float) -> Plan:
             (kind == "Pod" and name not in pods_by_name)
             or (kind == "Service" and name not in observed.services)
             or (kind == "Secret" and name not in observed.secrets)
+            or (kind in RBAC_KINDS and (kind, name) not in observed.present)
             or (kind == "ConfigMap" and _differs(obj, observed.configmaps.get(name)))
         )
         if missing:

@@ -133,3 +133,22 @@ def test_build_worker_config_resolves_defaults() -> None:
     ppo = build_worker_config(load_example("ppo-colocated").spec, REF, "colocated")
     assert ppo.algorithm.advantage_estimator == "gae"
     assert ppo.weight_sync.method == "inProcess"
+
+
+def test_build_children_worker_role_allows_only_own_progress_configmap() -> None:
+    objs = children("dapo-disaggregated")
+    role = next(o for o in objs if o["kind"] == "Role")
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["demo-progress"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    binding = next(o for o in objs if o["kind"] == "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-worker", "namespace": "team-a"}
+    ]
+    pods = [o for o in objs if o["kind"] == "Pod"]
+    assert {p["spec"]["serviceAccountName"] for p in pods} == {"demo-worker"}

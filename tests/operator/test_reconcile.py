@@ -18,7 +18,7 @@ import yaml
 
 from rljob_operator.api import parse_rljob, resolve_topology
 from rljob_operator.builders import JobRef, build_children
-from rljob_operator.reconcile import TOKEN_PLACEHOLDER, Observed, reconcile
+from rljob_operator.reconcile import RBAC_KINDS, TOKEN_PLACEHOLDER, Observed, reconcile
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = 1_800_000_000.0
@@ -49,6 +49,9 @@ def observed_children(raw: dict[str, Any], pod_phase: str = "Running") -> Observ
         services=frozenset(o["metadata"]["name"] for o in objs if o["kind"] == "Service"),
         configmaps={o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"},
         secrets=frozenset(o["metadata"]["name"] for o in objs if o["kind"] == "Secret"),
+        present=frozenset(
+            (o["kind"], o["metadata"]["name"]) for o in objs if o["kind"] in RBAC_KINDS
+        ),
     )
 
 
@@ -67,7 +70,11 @@ def test_reconcile_new_job_creates_every_child_pending() -> None:
     kinds = [(o["kind"], o["metadata"]["name"]) for o in plan.apply]
     assert kinds == [
         ("ConfigMap", "dapo-disaggregated-config"),
+        ("ConfigMap", "dapo-disaggregated-progress"),
         ("Secret", "dapo-disaggregated-token"),
+        ("ServiceAccount", "dapo-disaggregated-worker"),
+        ("Role", "dapo-disaggregated-worker"),
+        ("RoleBinding", "dapo-disaggregated-worker"),
         ("Service", "dapo-disaggregated-rollout"),
         ("Service", "dapo-disaggregated-trainer"),
         ("Pod", "dapo-disaggregated-rollout-0"),

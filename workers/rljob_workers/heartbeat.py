@@ -1,0 +1,96 @@
+"""Worker → operator progress reports (see ``config.Progress``).
+
+In a pod: a JSON merge patch of one key of the job's progress ConfigMap, with the pod's
+ServiceAccount token (the worker Role allows get/patch on that single object and nothing else).
+Locally: an atomically replaced JSON file per process. No Kubernetes client library: stdlib HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import urllib.request
+from pathlib import Path
+from typing import Protocol
+
+from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX, Progress
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class HeartbeatWriter(Protocol):
+    def write(self, progress: Progress) -> None: ...
+
+
+class FileHeartbeat:
+    """Writes ``<dir>/<role>-<replica>.json`` atomically (rename)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def write(self, progress: Progress) -> None:
+        target = self.directory / f"{progress.key}.json"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(progress.model_dump_json())
+        os.replace(tmp, target)
+
+
+class KubeHeartbeat:
+    """Patches this process's key in the job's progress ConfigMap through the API server."""
+
+    def __init__(
+        self,
+        *,
+        server: str,
+        token: str,
+        namespace: str,
+        job_name: str,
+        ca_file: str | None = None,
+        insecure: bool = False,
+        timeout: float = 5.0,
+    ) -> None:
+        name = f"{job_name}{PROGRESS_CONFIGMAP_SUFFIX}"
+        self.url = f"{server.rstrip('/')}/api/v1/namespaces/{namespace}/configmaps/{name}"
+        self.token = token
+        self.timeout = timeout
+        self.context = ssl.create_default_context(cafile=ca_file)
+        if insecure:
+            self.context.check_hostname = False
+            self.context.verify_mode = ssl.CERT_NONE
+
+    @classmethod
+    def in_cluster(cls, namespace: str, job_name: str) -> KubeHeartbeat:
+        """Use the pod's mounted ServiceAccount credentials."""
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        return cls(
+            server=f"https://{host}:{port}",
+            token=(SA_DIR / "token").read_text().strip(),
+            namespace=namespace,
+            job_name=job_name,
+            ca_file=str(SA_DIR / "ca.crt"),
+        )
+
+    def write(self, progress: Progress) -> None:
+        body = json.dumps({"data": {progress.key: progress.model_dump_json()}}).encode()
+        request = urllib.request.Request(
+            self.url,
+            data=body,
+            method="PATCH",
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": "application/merge-patch+json",
+                "Accept": "application/json",
+            },
+        )
+        with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as resp:
+            resp.read()
+
+
+def heartbeat_from_env(namespace: str, job_name: str, output_dir: str) -> HeartbeatWriter:
+    """In a pod with a ServiceAccount token: the ConfigMap; otherwise files under output_dir."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").exists():
+        return KubeHeartbeat.in_cluster(namespace, job_name)
+    return FileHeartbeat(Path(output_dir) / "progress")
