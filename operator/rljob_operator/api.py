@@ -1039,6 +1039,34 @@ class RLJobStatus(StatusModel):
     message: str | None = Field(
         None, max_length=32_768, description="Human-readable summary of the current phase."
     )
+    dropped_samples: dict[str, int] = Field(
+        default_factory=dict,
+        description="Trajectories dropped by the trainer's buffer, by reason (stale_version, "
+        "expired, capacity, duplicate), as last reported.",
+    )
+    tokens_per_second: float | None = Field(None, description="Rollout throughput, last reported.")
+    reward_mean: float | None = Field(None, description="Mean reward of the last step.")
+    degrade_action: str | None = Field(
+        None,
+        max_length=64,
+        description="The degrade action in effect (spec.staleness.degradeAction) while Degraded.",
+    )
+    lag_above_since: AwareDatetime | None = Field(
+        None,
+        description="Since when the reported policy lag has been above maxPolicyLagMs "
+        "(the degrade rule fires after degradeAfterSeconds).",
+    )
+    last_restart_time: AwareDatetime | None = Field(
+        None, description="When the operator last restarted a role (backoff counts from here)."
+    )
+    last_scale_time: AwareDatetime | None = Field(
+        None, description="When the built-in elastic policy last changed the rollout replicas."
+    )
+    resume_from: str | None = Field(
+        None,
+        max_length=_PATH_MAX,
+        description="Checkpoint the trainer resumes from after a restart or a resume from suspend.",
+    )
 
 
 class ObjectMeta(BaseModel):

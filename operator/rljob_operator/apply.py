@@ -19,14 +19,14 @@ log = logging.getLogger(__name__)
 def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
     """Server-side apply the desired children, delete the unwanted, write status, post Events."""
     meta = job["metadata"]
+    for ref in plan.delete:  # deletes first: a crash after them never double-counts a restart
+        kube.delete(
+            ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
+        )
     for obj in plan.apply:
         if obj["kind"] == "Secret":
             obj = _with_generated_token(obj)
         kube.server_side_apply(obj)
-    for ref in plan.delete:
-        kube.delete(
-            ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
-        )
     if plan.status is not None:
         kube.merge_patch(
             f"{GROUP}/{VERSION}",
@@ -35,6 +35,15 @@ def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
             meta["name"],
             {"status": plan.status},
             subresource="status",
+        )
+    if plan.scale_to is not None:
+        kube.merge_patch(
+            f"{GROUP}/{VERSION}",
+            "RLJob",
+            meta["namespace"],
+            meta["name"],
+            {"spec": {"replicas": plan.scale_to}},
+            subresource="scale",
         )
     for event in plan.events:
         apply_event(kube, job, event)

@@ -8,6 +8,7 @@ stable name. No client, no clock, no environment reads: everything comes in as a
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,10 +23,12 @@ from rljob_operator.api import (
     responses_per_prompt,
 )
 from rljob_workers.config import (
+    CONTROL_KEY,
     PROGRESS_CONFIGMAP_SUFFIX,
     AlgorithmConfig,
     BufferConfig,
     CheckpointConfig,
+    Control,
     Endpoints,
     GradientCompressionConfig,
     ModelConfig,
@@ -269,20 +272,36 @@ def build_worker_config(
     )
 
 
-def config_hash(config_json: str) -> str:
-    return hashlib.sha256(config_json.encode()).hexdigest()[:16]
+LIVE_SECTIONS = ("buffer", "staleness", "weight_sync", "trainer.gradient_compression", "checkpoint")
+
+
+def restart_hash(config: WorkerConfig) -> str:
+    """Hash of the config minus what running workers pick up live (buffer aging, staleness,
+    compression, checkpoint pointers): pods whose hash differs need a controlled restart."""
+    data = config.model_dump(mode="json")
+    for section in LIVE_SECTIONS:
+        parent, _, child = section.rpartition(".")
+        target = data[parent] if parent else data
+        target.pop(child, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------ objects
 
 
-def build_configmap(job: JobRef, config: WorkerConfig) -> dict[str, Any]:
-    """The ConfigMap holding the rendered worker config."""
+def build_configmap(
+    job: JobRef, config: WorkerConfig, control: Control | None = None
+) -> dict[str, Any]:
+    """The ConfigMap holding the rendered worker config and the live control knobs."""
+    live = control or Control()
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, configmap_name(job)),
-        "data": {"config.json": config.dump()},
+        "data": {
+            "config.json": config.dump(),
+            CONTROL_KEY: json.dumps(live.model_dump(mode="json"), sort_keys=True),
+        },
     }
 
 
@@ -307,7 +326,7 @@ def build_progress_configmap(job: JobRef) -> dict[str, Any]:
 
 
 def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
-    """ServiceAccount + Role + RoleBinding: workers may get and patch their progress ConfigMap only."""
+    """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM."""
     name = worker_account_name(job)
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name)}
     role = {
@@ -502,13 +521,24 @@ def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
 
 
 def build_children(
-    job: RLJob, ref: JobRef, topology: Topology, *, token: str, restart_epochs: dict[str, int]
+    job: RLJob,
+    ref: JobRef,
+    topology: Topology,
+    *,
+    token: str,
+    restart_epochs: dict[str, int],
+    control: Control | None = None,
+    resume_from: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the job should own right now, in apply order."""
     spec = job.spec
     config = build_worker_config(spec, ref, topology, checkpoint_dir=CHECKPOINT_MOUNT)
-    digest = config_hash(config.dump())
-    objects = [build_configmap(ref, config), build_progress_configmap(ref)]
+    if resume_from:
+        config = config.model_copy(
+            update={"checkpoint": config.checkpoint.model_copy(update={"resume_from": resume_from})}
+        )
+    digest = restart_hash(config)
+    objects = [build_configmap(ref, config, control), build_progress_configmap(ref)]
     objects += [build_token_secret(ref, token), *build_worker_rbac(ref)]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]

@@ -49,6 +49,12 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         "empty runs standalone",
     )
     parser.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    parser.add_argument(
+        "--scale-cooldown-seconds",
+        type=float,
+        default=30.0,
+        help="minimum time between two changes by the built-in elastic rollout policy",
+    )
     parser.add_argument("--verbose", "-v", action="store_true")
     parser.add_argument("--version", action="version", version=f"rljob-operator {__version__}")
     args = parser.parse_args(argv)
@@ -56,7 +62,10 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from rljob_operator import handlers  # noqa: F401  (registers the handlers)
+    from rljob_operator import handlers  # registers the handlers
+    from rljob_operator.reconcile import Policy
+
+    handlers.POLICY = Policy(scale_cooldown_seconds=args.scale_cooldown_seconds)
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

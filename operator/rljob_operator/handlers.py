@@ -22,12 +22,13 @@ from rljob_operator.apply import apply_plan
 from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
 from rljob_operator.observe import observe_job
-from rljob_operator.reconcile import reconcile
+from rljob_operator.reconcile import Policy, reconcile
 
 RESYNC_SECONDS = 10.0
 log = logging.getLogger(__name__)
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _kube: Kube | None = None
+POLICY = Policy()
 
 
 def _client() -> Kube:
@@ -44,7 +45,7 @@ def reconcile_once(namespace: str, name: str) -> float | None:
     observed = observe_job(kube, namespace, name)
     if observed is None:
         return None
-    plan = reconcile(observed, now=time.time())
+    plan = reconcile(observed, now=time.time(), policy=POLICY)
     apply_plan(kube, observed.job, plan)
     metrics.observe_reconcile(time.monotonic() - started, plan)
     return plan.requeue_after

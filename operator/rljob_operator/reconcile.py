@@ -1,25 +1,39 @@
 """Pure reconcile: (job, observed children, now) → plan.
 
 All policy lives here: which children must exist, which pods go away (scale-down, suspend,
-role-scoped restarts), the job's phase and conditions. No client, no clock: ``now`` is an argument.
+role-scoped restarts with backoff), the degrade rule, the elastic rollout policy, the lifecycle
+(Succeeded at totalSteps, TTL) and the job's phase and conditions. No client, no clock: ``now`` and
+the operator-wide knobs (``Policy``) are arguments; what must survive between passes lives in the
+job's status.
+
+Failover rules:
+- a failed rollout pod (or one on a NotReady / vanished node) is replaced alone;
+- a failed trainer pod restarts the whole trainer group from the last checkpoint while rollouts
+  keep running (disaggregated); a failed actor restarts the whole actor gang (colocated);
+- restarts wait ``backoffSeconds * 2**(n-1)`` (capped at ``maxBackoffSeconds``) before pods are
+  re-created; more than ``failurePolicy.maxRestarts`` restarts of a role → phase Failed.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rljob_operator.api import SpecError, parse_rljob, resolve_topology
+from rljob_operator.api import RLJobSpec, SpecError, parse_rljob, resolve_topology
 from rljob_operator.builders import (
     LABEL_INDEX,
     LABEL_ROLE,
     JobRef,
-    Role,
+    Topology,
     build_children,
+    configmap_name,
+    progress_name,
     role_replicas,
     roles_for,
 )
+from rljob_workers.config import CONTROL_KEY, Control, Progress
 
 TOKEN_PLACEHOLDER = "__generated__"
 RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding")
@@ -32,6 +46,15 @@ CONDITION_TYPES = (
     "Succeeded",
     "Failed",
 )
+FINISHED = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Operator-wide knobs (command-line flags), the same for every job."""
+
+    scale_cooldown_seconds: float = 30.0
+    progress_stale_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,7 @@ class Plan:
     delete: tuple[ObjectRef, ...] = ()
     status: dict[str, Any] | None = None
     events: tuple[EventSpec, ...] = ()
+    scale_to: int | None = None
     requeue_after: float | None = None
     job_key: str = ""
     restarts: dict[str, int] = field(default_factory=dict)
@@ -77,11 +101,22 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not (self.apply or self.delete or self.status is not None or self.events)
+        return not (
+            self.apply or self.delete or self.status is not None or self.events or self.scale_to
+        )
+
+
+# ---------------------------------------------------------------------------------- helpers
 
 
 def _iso(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seconds(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 def _pod_phase(pod: dict[str, Any]) -> str:
@@ -97,6 +132,23 @@ def _pod_ready(pod: dict[str, Any]) -> bool:
     )
 
 
+def _role(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"].get("labels", {}).get(LABEL_ROLE, ""))
+
+
+def _broken(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> str | None:
+    """Why a pod must be replaced (failed, or its node is NotReady or gone), else None."""
+    phase = _pod_phase(pod)
+    if phase == "Terminating":
+        return None
+    if phase == "Failed":
+        return "Failed"
+    node = pod.get("spec", {}).get("nodeName")
+    if node and not nodes_ready.get(node, True):
+        return f"node {node} NotReady"
+    return None
+
+
 def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
     """Missing, or (for the operator-owned config) different data; progress is workers' to write."""
     if observed is None:
@@ -104,149 +156,506 @@ def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
     return "data" in desired and observed.get("data") != desired["data"]
 
 
-def reconcile(observed: Observed, *, now: float) -> Plan:
-    """Decide what to create, delete and report for one job."""
+def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
+    """The workers' heartbeats from the progress ConfigMap (malformed entries are skipped)."""
+    data = observed.configmaps.get(progress_name(ref), {}).get("data") or {}
+    out = []
+    for text in data.values():
+        try:
+            out.append(Progress.model_validate_json(text))
+        except ValueError:
+            continue
+    return out
+
+
+def _backoff(spec: RLJobSpec, restarts: int) -> float:
+    policy = spec.failure_policy
+    return float(
+        min(policy.backoff_seconds * 2 ** max(restarts - 1, 0), policy.max_backoff_seconds)
+    )
+
+
+# ---------------------------------------------------------------------------------- reconcile
+
+
+@dataclass
+class _Pass:
+    """Mutable scratch state of one reconcile pass."""
+
+    status: dict[str, Any]
+    delete: list[ObjectRef] = field(default_factory=list)
+    events: list[EventSpec] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+    hold_roles: set[str] = field(default_factory=set)
+    requeue: list[float] = field(default_factory=list)
+    degraded_now: bool = False
+    scale_to: int | None = None
+
+
+def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -> Plan:
+    """Decide what to create, delete, scale and report for one job."""
+    policy = policy or Policy()
     raw = observed.job
     meta = raw["metadata"]
     ref = JobRef.from_metadata(meta)
     key = f"{ref.namespace}/{ref.name}"
-    old_status: dict[str, Any] = raw.get("status") or {}
+    old: dict[str, Any] = raw.get("status") or {}
     generation = int(meta.get("generation", 1))
     try:
         job = parse_rljob(raw)
     except SpecError as err:
-        return _invalid_spec_plan(key, old_status, generation, str(err), now)
+        return _invalid_spec_plan(key, old, generation, str(err), now)
+    spec = job.spec
+    topology, _reason = resolve_topology(spec)
+    work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
+    progress = read_progress(observed, ref)
+    _report_progress(work, progress, spec, topology)
 
-    topology, _reason = resolve_topology(job.spec)
-    desired = build_children(job, ref, topology, token=TOKEN_PLACEHOLDER, restart_epochs={})
+    if old.get("phase") in FINISHED:
+        return _finished_plan(observed, work, spec, key, old, generation, now)
+    if _done(progress, spec, topology):
+        return _succeed(observed, work, spec, key, old, generation, now)
+
+    _failover(observed, work, spec, topology, now)
+    if work.status.get("phase") == "Failed":
+        return _plan(work, (), key, old, generation, now, spec, topology, observed)
+    control = _degrade(work, spec, progress, old, now)
+    _elastic(work, spec, topology, progress, old, now, policy)
+
+    desired = build_children(
+        job,
+        ref,
+        topology,
+        token=TOKEN_PLACEHOLDER,
+        restart_epochs={},
+        control=control,
+        resume_from=work.status.get("resumeFrom"),
+    )
     pods_by_name = {p["metadata"]["name"]: p for p in observed.pods}
-    to_apply: list[dict[str, Any]] = []
-    for obj in desired:
-        name = obj["metadata"]["name"]
-        kind = obj["kind"]
-        missing = (
-            (kind == "Pod" and name not in pods_by_name)
-            or (kind == "Service" and name not in observed.services)
-            or (kind == "Secret" and name not in observed.secrets)
-            or (kind in RBAC_KINDS and (kind, name) not in observed.present)
-            or (kind == "ConfigMap" and _differs(obj, observed.configmaps.get(name)))
-        )
-        if missing:
-            to_apply.append(obj)
-
+    deleting = {d.name for d in work.delete}
+    to_apply = [
+        o for o in desired if _missing(o, observed, pods_by_name, deleting, work.hold_roles)
+    ]
     desired_pods = {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"}
-    to_delete: list[ObjectRef] = []
+    scaled = []
     for name, pod in sorted(pods_by_name.items()):
-        if name not in desired_pods and _pod_phase(pod) != "Terminating":
-            to_delete.append(ObjectRef("v1", "Pod", name))
-        elif _pod_phase(pod) == "Failed" and pod["metadata"]["labels"].get(LABEL_ROLE) == "rollout":
-            # a failed rollout is replaced alone: delete now, recreated on the next pass
-            to_delete.append(ObjectRef("v1", "Pod", name, grace_seconds=0))
+        if name not in desired_pods and name not in deleting and _pod_phase(pod) != "Terminating":
+            work.delete.append(ObjectRef("v1", "Pod", name))
+            scaled.append(name)
+    if scaled and not spec.suspend:
+        work.events.append(EventSpec("Normal", "ScaledDown", f"deleted {', '.join(scaled)}"))
+    if spec.suspend and scaled:
+        work.events.append(EventSpec("Normal", "Suspended", f"deleted {len(scaled)} pods"))
+    created = [o["metadata"]["name"] for o in to_apply if o["kind"] == "Pod"]
+    if created:
+        work.events.append(EventSpec("Normal", "CreatedPods", f"created {', '.join(created)}"))
+    return _plan(work, tuple(to_apply), key, old, generation, now, spec, topology, observed)
 
-    status = _status(job.spec, ref, topology, observed, old_status, generation, now)
-    events = _transition_events(old_status, status)
-    if to_delete and any(d.kind == "Pod" for d in to_delete) and not job.spec.suspend:
-        scaled = [d.name for d in to_delete if d.name not in desired_pods]
-        if scaled:
-            events.append(EventSpec("Normal", "ScaledDown", f"deleted {', '.join(scaled)}"))
-    created_pods = [o["metadata"]["name"] for o in to_apply if o["kind"] == "Pod"]
-    if created_pods:
-        events.append(EventSpec("Normal", "CreatedPods", f"created {', '.join(created_pods)}"))
-    changed = status != old_status
-    converged = not to_apply and not to_delete and status.get("phase") == "Running"
-    return Plan(
-        apply=tuple(to_apply),
-        delete=tuple(to_delete),
-        status=status if changed else None,
-        events=tuple(events),
-        requeue_after=None if converged else 2.0,
-        job_key=key,
+
+def _missing(
+    obj: dict[str, Any],
+    observed: Observed,
+    pods: dict[str, dict[str, Any]],
+    deleting: set[str],
+    hold_roles: set[str],
+) -> bool:
+    name, kind = obj["metadata"]["name"], obj["kind"]
+    if kind == "Pod":
+        held = obj["metadata"]["labels"].get(LABEL_ROLE) in hold_roles
+        return name not in pods and name not in deleting and not held
+    if kind == "Service":
+        return name not in observed.services
+    if kind == "Secret":
+        return name not in observed.secrets
+    if kind in RBAC_KINDS:
+        return (kind, name) not in observed.present
+    if kind == "ConfigMap":
+        return _differs(obj, observed.configmaps.get(name))
+    return True
+
+
+def _report_progress(
+    work: _Pass, progress: list[Progress], spec: RLJobSpec, topology: Topology
+) -> None:
+    """Copy the workers' reports into the status (rank 0 of the training role leads)."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    lead = next((p for p in progress if p.role == lead_role and p.replica == 0), None)
+    if lead is not None:
+        work.status["step"] = lead.step
+        work.status["policyVersion"] = lead.policy_version
+        if lead.buffer_age_seconds is not None:
+            work.status["bufferAgeSeconds"] = round(lead.buffer_age_seconds, 3)
+        if lead.dropped:
+            work.status["droppedSamples"] = dict(lead.dropped)
+        if lead.reward_mean is not None:
+            work.status["rewardMean"] = round(lead.reward_mean, 4)
+        if lead.last_checkpoint:
+            work.status["lastCheckpoint"] = {"step": lead.step, "path": lead.last_checkpoint}
+    lags = [p.policy_lag_ms for p in progress if p.policy_lag_ms is not None]
+    if lags:
+        work.status["policyLagMs"] = round(max(lags), 3)
+    rates = [p.tokens_per_second for p in progress if p.tokens_per_second is not None]
+    if rates:
+        work.status["tokensPerSecond"] = round(sum(rates), 1)
+
+
+def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    return any(
+        p.role == lead_role and p.replica == 0 and (p.done or p.step >= spec.total_steps)
+        for p in progress
     )
 
 
-def _status(
-    spec: Any,
-    ref: JobRef,
-    topology: str,
+def _failover(
+    observed: Observed, work: _Pass, spec: RLJobSpec, topology: Topology, now: float
+) -> None:
+    """Role-scoped replacement of failed pods, with backoff and the restart limit."""
+    restarts = dict(work.status.get("restarts") or {"rollout": 0, "trainer": 0})
+    for role in roles_for(topology):
+        counter = "rollout" if role == "rollout" else "trainer"
+        pods = [p for p in observed.pods if _role(p) == role]
+        broken = {
+            p["metadata"]["name"]: why for p in pods if (why := _broken(p, observed.nodes_ready))
+        }
+        if broken and role == "rollout":
+            for name, why in sorted(broken.items()):
+                work.delete.append(ObjectRef("v1", "Pod", name, grace_seconds=0))
+                work.events.append(EventSpec("Warning", "RolloutReplaced", f"{name}: {why}"))
+            restarts[counter] = restarts.get(counter, 0) + len(broken)
+            work.restarts[counter] = len(broken)
+        elif broken:
+            for pod in pods:
+                if _pod_phase(pod) != "Terminating":
+                    work.delete.append(ObjectRef("v1", "Pod", pod["metadata"]["name"], 0))
+            restarts[counter] = restarts.get(counter, 0) + 1
+            work.restarts[counter] = 1
+            work.status["lastRestartTime"] = _iso(now)
+            checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
+            work.status["resumeFrom"] = checkpoint
+            what = "trainer group" if role == "trainer" else "actor gang"
+            detail = ", ".join(f"{n}: {w}" for n, w in sorted(broken.items()))
+            resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
+            work.events.append(
+                EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}")
+            )
+        if restarts.get(counter, 0) > spec.failure_policy.max_restarts:
+            _fail(
+                work,
+                observed,
+                f"{counter} restarted {restarts[counter]} times, more than "
+                f"spec.failurePolicy.maxRestarts={spec.failure_policy.max_restarts}",
+                now,
+            )
+            break
+        if role != "rollout":
+            last = _seconds(work.status.get("lastRestartTime"))
+            if last is not None and restarts.get(counter, 0):
+                wait = last + _backoff(spec, restarts[counter]) - now
+                if wait > 0:
+                    work.hold_roles.add(role)
+                    work.requeue.append(wait)
+    work.status["restarts"] = restarts
+
+
+def _fail(work: _Pass, observed: Observed, reason: str, now: float) -> None:
+    work.status["phase"] = "Failed"
+    work.status["message"] = reason
+    work.status["completionTime"] = _iso(now)
+    deleting = {d.name for d in work.delete}
+    for pod in observed.pods:
+        name = pod["metadata"]["name"]
+        if _pod_phase(pod) in ("Running", "Pending") and name not in deleting:
+            work.delete.append(ObjectRef("v1", "Pod", name))
+    work.events.append(EventSpec("Warning", "MaxRestartsExceeded", reason))
+
+
+def _degrade(
+    work: _Pass, spec: RLJobSpec, progress: list[Progress], old: dict[str, Any], now: float
+) -> Control:
+    """Policy lag above maxPolicyLagMs for degradeAfterSeconds → Degraded + the action."""
+    staleness = spec.staleness
+    lag = work.status.get("policyLagMs")
+    above = lag is not None and lag > staleness.max_policy_lag_ms
+    was_degraded = bool(old.get("degradeAction"))
+    if not above:
+        work.status.pop("lagAboveSince", None)
+        work.status.pop("degradeAction", None)
+        if was_degraded:
+            work.events.append(
+                EventSpec(
+                    "Normal",
+                    "Recovered",
+                    f"policy lag {lag} ms is back under "
+                    f"{staleness.max_policy_lag_ms} ms; {old['degradeAction']} reverted",
+                )
+            )
+        return Control()
+    since = _seconds(old.get("lagAboveSince")) or now
+    work.status["lagAboveSince"] = _iso(since)
+    if now - since < staleness.degrade_after_seconds:
+        work.requeue.append(staleness.degrade_after_seconds - (now - since))
+        return Control()
+    action = staleness.degrade_action
+    work.status["degradeAction"] = action
+    if not was_degraded:
+        work.degraded_now = True
+        work.events.append(
+            EventSpec(
+                "Warning",
+                "Degraded",
+                f"policy lag {lag} ms above spec.staleness."
+                f"maxPolicyLagMs={staleness.max_policy_lag_ms} for "
+                f"{now - since:.0f}s; action {action}",
+            )
+        )
+    if action == "throttleRollouts":
+        return Control(rollout_throttle=0.5)
+    if action == "pauseRollouts":
+        return Control(paused=True)
+    tightened = max(1, (staleness.max_versions or 2) // 2)
+    return Control(max_versions=tightened)
+
+
+def _elastic(
+    work: _Pass,
+    spec: RLJobSpec,
+    topology: Topology,
+    progress: list[Progress],
+    old: dict[str, Any],
+    now: float,
+    policy: Policy,
+) -> None:
+    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown."""
+    rollout = spec.rollout
+    if topology != "disaggregated" or rollout.min_replicas is None or rollout.max_replicas is None:
+        return
+    if rollout.min_replicas == rollout.max_replicas:
+        return
+    last = _seconds(old.get("lastScaleTime"))
+    if last is not None and now - last < policy.scale_cooldown_seconds:
+        work.requeue.append(policy.scale_cooldown_seconds - (now - last))
+        return
+    trainer = next((p for p in progress if p.role == "trainer" and p.replica == 0), None)
+    if trainer is None:
+        return
+    stale_now = trainer.dropped.get("stale_version", 0) + trainer.dropped.get("expired", 0)
+    stale_before = sum(
+        (old.get("droppedSamples") or {}).get(k, 0) for k in ("stale_version", "expired")
+    )
+    target = rollout.replicas
+    why = ""
+    if trainer.starving and rollout.replicas < rollout.max_replicas:
+        target, why = rollout.replicas + 1, "the trainer is waiting for experience"
+    elif stale_now > stale_before and rollout.replicas > rollout.min_replicas:
+        target, why = rollout.replicas - 1, f"{stale_now - stale_before} samples dropped as stale"
+    if target != rollout.replicas:
+        work.scale_to = target
+        work.status["lastScaleTime"] = _iso(now)
+        work.events.append(
+            EventSpec(
+                "Normal", "Autoscaled", f"rollout replicas {rollout.replicas} → {target}: {why}"
+            )
+        )
+
+
+def _succeed(
+    observed: Observed,
+    work: _Pass,
+    spec: RLJobSpec,
+    key: str,
+    old: dict[str, Any],
+    generation: int,
+    now: float,
+) -> Plan:
+    work.status["phase"] = "Succeeded"
+    work.status["completionTime"] = _iso(now)
+    work.status["message"] = f"reached spec.totalSteps={spec.total_steps}"
+    work.events.append(EventSpec("Normal", "Succeeded", work.status["message"]))
+    for pod in observed.pods:
+        if _pod_phase(pod) not in ("Terminating", "Succeeded", "Failed"):
+            work.delete.append(ObjectRef("v1", "Pod", pod["metadata"]["name"]))
+    topology, _ = resolve_topology(spec)
+    return _plan(work, (), key, old, generation, now, spec, topology, observed)
+
+
+def _finished_plan(
+    observed: Observed,
+    work: _Pass,
+    spec: RLJobSpec,
+    key: str,
+    old: dict[str, Any],
+    generation: int,
+    now: float,
+) -> Plan:
+    """A finished job keeps its status; its TTL, once expired, deletes the job itself."""
+    ttl = spec.ttl_seconds_after_finished
+    done_at = _seconds(old.get("completionTime"))
+    meta = observed.job["metadata"]
+    if ttl is not None and done_at is not None:
+        left = done_at + ttl - now
+        if left <= 0:
+            return Plan(
+                delete=(ObjectRef(observed.job["apiVersion"], "RLJob", meta["name"]),),
+                events=(EventSpec("Normal", "TTLExpired", f"deleted {ttl}s after finishing"),),
+                job_key=key,
+            )
+        return Plan(requeue_after=left, job_key=key)
+    return Plan(job_key=key)
+
+
+def _plan(
+    work: _Pass,
+    to_apply: tuple[dict[str, Any], ...],
+    key: str,
+    old: dict[str, Any],
+    generation: int,
+    now: float,
+    spec: RLJobSpec,
+    topology: Topology,
+    observed: Observed,
+) -> Plan:
+    _fill_status(work, spec, topology, observed, old, generation, now)
+    work.events[:0] = _transition_events(old, work.status)
+    changed = work.status != old
+    converged = (
+        not to_apply
+        and not work.delete
+        and work.status.get("phase") in ("Running", "Suspended", *FINISHED)
+    )
+    requeue = min(work.requeue) if work.requeue else (None if converged else 2.0)
+    return Plan(
+        apply=to_apply,
+        delete=tuple(work.delete),
+        status=work.status if changed else None,
+        events=tuple(work.events),
+        scale_to=work.scale_to,
+        requeue_after=requeue,
+        job_key=key,
+        restarts=work.restarts,
+        degraded_now=work.degraded_now,
+    )
+
+
+def _fill_status(
+    work: _Pass,
+    spec: RLJobSpec,
+    topology: Topology,
     observed: Observed,
     old: dict[str, Any],
     generation: int,
     now: float,
-) -> dict[str, Any]:
-    roles: tuple[Role, ...] = roles_for(topology)  # type: ignore[arg-type]
+) -> None:
+    status = work.status
+    ref = JobRef.from_metadata(observed.job["metadata"])
     per_role: dict[str, dict[str, int]] = {}
-    for role in roles:
-        pods = [p for p in observed.pods if p["metadata"]["labels"].get(LABEL_ROLE) == role]
-        desired = 0 if spec.suspend else role_replicas(spec, role)
+    deleting = {d.name for d in work.delete}
+    for role in roles_for(topology):
+        desired = (
+            0 if spec.suspend or status.get("phase") in FINISHED else role_replicas(spec, role)
+        )
         ready = sum(
             1
-            for p in pods
-            if _pod_ready(p) and int(p["metadata"]["labels"].get(LABEL_INDEX, 0)) < desired
+            for p in observed.pods
+            if _role(p) == role
+            and _pod_ready(p)
+            and p["metadata"]["name"] not in deleting
+            and int(p["metadata"]["labels"].get(LABEL_INDEX, 0)) < desired
         )
         per_role[role] = {"ready": ready, "desired": desired}
-    all_ready = all(v["ready"] == v["desired"] for v in per_role.values())
-    if spec.suspend:
-        phase = "Suspended"
-    elif all_ready:
-        phase = "Running"
-    else:
-        phase = "Pending"
-    rollout_role = "actor" if topology == "colocated" else "rollout"
-    status: dict[str, Any] = {
-        k: v for k, v in old.items() if k not in ("conditions", "phase", "observedGeneration")
-    }
+    restarting = bool(work.hold_roles) or any(d.grace_seconds == 0 for d in work.delete)
+    if status.get("phase") not in FINISHED:
+        if spec.suspend:
+            status["phase"] = "Suspended"
+        elif all(v["ready"] == v["desired"] for v in per_role.values()):
+            status["phase"] = "Degraded" if status.get("degradeAction") else "Running"
+        elif restarting or (old.get("phase") == "Restarting" and work.hold_roles):
+            status["phase"] = "Restarting"
+        else:
+            status["phase"] = "Pending"
+        if spec.suspend or (status["phase"] == "Running" and not work.restarts):
+            status.pop("message", None)
+    lead = "actor" if topology == "colocated" else "rollout"
+    empty = {"ready": 0, "desired": 0}
     status.update(
         {
-            "phase": phase,
             "observedGeneration": generation,
             "resolvedTopology": topology,
-            "rollout": per_role.get("rollout", per_role.get("actor", {"ready": 0, "desired": 0})),
-            "trainer": per_role.get("trainer", per_role.get("actor", {"ready": 0, "desired": 0})),
-            "rolloutReplicas": per_role[rollout_role]["ready"],
-            "rolloutReadyText": "{ready}/{desired}".format(**per_role[rollout_role]),
-            "rolloutSelector": f"rljob.io/job={ref.name},rljob.io/role={rollout_role}",
+            "rollout": per_role.get("rollout", per_role.get("actor", empty)),
+            "trainer": per_role.get("trainer", per_role.get("actor", empty)),
+            "rolloutReplicas": per_role[lead]["ready"],
+            "rolloutReadyText": "{ready}/{desired}".format(**per_role[lead]),
+            "rolloutSelector": f"rljob.io/job={ref.name},rljob.io/role={lead}",
         }
     )
-    if phase == "Running" and not old.get("startTime"):
+    if status["phase"] in ("Running", "Degraded") and not old.get("startTime"):
         status["startTime"] = _iso(now)
-    status["conditions"] = _conditions(old.get("conditions", []), phase, generation, now)
-    return status
+    status["conditions"] = _conditions(
+        old.get("conditions", []), status, bool(work.restarts), generation, now
+    )
 
 
 def _conditions(
-    old: list[dict[str, Any]], phase: str, generation: int, now: float
+    old: list[dict[str, Any]],
+    status: dict[str, Any],
+    restarted: bool,
+    generation: int,
+    now: float,
 ) -> list[dict[str, Any]]:
+    phase = status["phase"]
+    message = status.get("message", "")
+
+    def flag(
+        on: bool, reason_on: str, text_on: str, reason_off: str, text_off: str = ""
+    ) -> tuple[str, str, str]:
+        return ("True", reason_on, text_on) if on else ("False", reason_off, text_off)
+
     wanted = {
-        "Created": ("True", "ChildrenCreated", "configmap, services and pods exist"),
-        "Running": (
-            ("True", "AllPodsReady", "every pod of every role is ready")
-            if phase == "Running"
-            else ("False", "WaitingForPods", "not every pod is ready yet")
+        "Created": ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
+        "Running": flag(
+            phase in ("Running", "Degraded"),
+            "AllPodsReady",
+            "every pod of every role is ready",
+            "NotAllPodsReady",
+            f"phase {phase}",
         ),
-        "Suspended": (
-            ("True", "Suspended", "spec.suspend is true: pods deleted, checkpoint kept")
-            if phase == "Suspended"
-            else ("False", "NotSuspended", "")
+        "Degraded": flag(
+            bool(status.get("degradeAction")),
+            "PolicyLagHigh",
+            f"policy lag {status.get('policyLagMs')} ms; action {status.get('degradeAction')}",
+            "PolicyLagOK",
         ),
+        "Restarting": flag(
+            phase == "Restarting" or restarted,
+            "RoleRestart",
+            f"restarts: {status.get('restarts')}",
+            "NoRestartInProgress",
+        ),
+        "Suspended": flag(
+            phase == "Suspended",
+            "Suspended",
+            "spec.suspend is true: pods deleted, checkpoint kept",
+            "NotSuspended",
+        ),
+        "Succeeded": flag(phase == "Succeeded", "TotalStepsReached", message, "NotFinished"),
+        "Failed": flag(phase == "Failed", "MaxRestartsExceeded", message, "NotFailed"),
     }
     by_type = {c["type"]: c for c in old}
     out = []
     for ctype in CONDITION_TYPES:
-        if ctype not in wanted:
-            if ctype in by_type:
-                out.append(by_type[ctype])
-            continue
-        status, reason, message = wanted[ctype]
+        value, reason, text = wanted[ctype]
         prev = by_type.get(ctype)
-        changed = prev is None or prev.get("status") != status
+        moved = prev is None or prev.get("status") != value
         out.append(
             {
                 "type": ctype,
-                "status": status,
+                "status": value,
                 "reason": reason,
-                "message": message,
+                "message": text,
                 "observedGeneration": generation,
-                "lastTransitionTime": _iso(now) if changed else prev["lastTransitionTime"],  # type: ignore[index]
+                "lastTransitionTime": _iso(now)
+                if moved or prev is None
+                else prev["lastTransitionTime"],
             }
         )
     return out
@@ -255,10 +664,9 @@ def _conditions(
 def _transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
     if old.get("phase") == new.get("phase"):
         return []
+    kind = "Warning" if new["phase"] in ("Failed", "Degraded") else "Normal"
     return [
-        EventSpec(
-            "Normal", str(new["phase"]), f"phase {old.get('phase', '(none)')} → {new['phase']}"
-        )
+        EventSpec(kind, str(new["phase"]), f"phase {old.get('phase', '(none)')} → {new['phase']}")
     ]
 
 
@@ -284,3 +692,9 @@ def _invalid_spec_plan(
     if old.get("phase") == "Failed" and old.get("message") == message:
         return Plan(job_key=key)
     return Plan(status=status, events=(EventSpec("Warning", "InvalidSpec", message),), job_key=key)
+
+
+def control_of(observed: Observed, ref: JobRef) -> Control:
+    """The live control currently published to the workers (for tests and status)."""
+    data = observed.configmaps.get(configmap_name(ref), {}).get("data") or {}
+    return Control.model_validate(json.loads(data.get(CONTROL_KEY, "{}")))

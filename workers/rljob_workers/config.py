@@ -124,6 +124,9 @@ class CheckpointConfig(_Model):
     every_steps: int = 10
     keep: int = 3
     resume: bool = True
+    resume_from: str | None = Field(
+        None, description="a checkpoint to resume from (set by the operator after a restart)"
+    )
 
 
 class Endpoints(_Model):
@@ -195,6 +198,17 @@ class ProcessEnv(_Model):
 
 
 PROGRESS_CONFIGMAP_SUFFIX = "-progress"
+CONTROL_KEY = "control.json"
+
+
+class Control(_Model):
+    """Live knobs the operator turns without restarting pods (key ``control.json`` of the config
+    ConfigMap, re-read by running workers): the policy-lag degrade actions."""
+
+    rollout_throttle: float = Field(1.0, description="fraction of normal rollout concurrency")
+    paused: bool = Field(False, description="rollouts stop generating until unpaused")
+    max_versions: int | None = Field(None, description="tightened staleness bound, if any")
+
 
 
 class Progress(_Model):
