@@ -206,7 +206,7 @@ class LocalCluster:
         """Run the locally built kubectl against this cluster."""
         cmd = [str(binary("kubectl")), f"--kubeconfig={self.kubeconfig}"]
         if token is not None:
-            cmd += [f"--token={token}", "--user=none"]
+            cmd += [f"--token={token}"]
         return subprocess.run(
             [*cmd, *args], input=input, text=True, capture_output=True, check=check, timeout=120
         )
