@@ -71,7 +71,8 @@ def test_load_examples_jsonl_path_reads_records(tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [("not json", "not valid JSON"), ('["x"]', "expected an object"),
-     ('{"prompt": "p"}', "'answer' must be a string"), ('{"prompt": 1, "answer": "a"}', "'prompt'")],
+     ('{"prompt": "p"}', "'answer' must be a string"),
+     ('{"prompt": 1, "answer": "a"}', "'prompt' must be a string")],
 )  # fmt: skip
 def test_load_jsonl_examples_bad_line_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

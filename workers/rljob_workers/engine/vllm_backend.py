@@ -1,0 +1,360 @@
+"""vLLM rollout backend: the only module of the project that imports vllm (lazily, in the class).
+
+Modes (fixed per process: vLLM caches its environment once the first engine is up):
+
+* in-process (default, ``in_process=True``): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
+  executor. Weight pushes hand ``(name, tensor)`` pairs straight to the model runner
+  (``reload_weights(weights_iterator=...)``). Measured on the 2-core dev box with the tiny model it
+  starts in about a third of the time of the multiprocess mode (no engine-core and worker
+  processes, each of which re-imports vllm) and a push takes ~0.1 s.
+* multiprocess (``in_process=False``): the engine core runs in child processes. Tensors never
+  cross the RPC (that kills the engine): a state dict is first written as safetensors to a
+  temporary directory and the workers reload from that path.
+
+Log-probabilities are the sampled tokens' RAW log-probabilities (``logprobs_mode="raw_logprobs"``,
+``SamplingParams(logprobs=0)``): ``log_softmax(logits)`` before temperature / top-p, exactly what
+the transformers backend returns.
+
+Sleep mode exists only on GPU platforms: ``sleep()`` / ``wake()`` call ``LLM.sleep`` /
+``LLM.wake_up`` there and are documented no-ops on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rljob_workers.engine.base import (
+    Completion,
+    FinishReason,
+    Prompts,
+    WeightSource,
+    check_sampling,
+    check_version,
+    iter_named_tensors,
+    request_seeds,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+_LLGUIDANCE_PLACEHOLDER = '''"""Placeholder for llguidance (written by rljob_workers vllm_backend).
+
+vLLM 0.32 evaluates ``llguidance.*`` annotations when it imports its structured-output module, so a
+missing llguidance breaks ``import vllm`` even though rollouts never use guided decoding. Anything
+actually used from here raises ImportError.
+"""
+
+RLJOB_PLACEHOLDER = True
+
+
+def _missing(*args: object, **kwargs: object) -> None:
+    raise ImportError("llguidance is not installed: vLLM's guidance structured output is off")
+
+
+def __getattr__(name: str) -> type:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return type(name, (), {"__init__": _missing})
+'''
+
+
+class VLLMEngine:
+    """A ``RolloutEngine`` on ``vllm.LLM`` (float32, eager mode, 1 GiB CPU KV cache by default)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        seed: int = 0,
+        in_process: bool = True,
+        max_model_len: int = 256,
+        dtype: str = "float32",
+        kv_cache_space_gib: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool | None = None,
+        sleep_level: int = 1,
+        engine_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Start a vLLM engine on the local checkpoint ``model_path``.
+
+        ``enable_sleep_mode=None`` turns sleep mode on where the platform supports it (GPU).
+        ``sleep_level`` 1 offloads weights to host memory; 2 discards them, so a ``load_weights``
+        must follow ``wake``. ``engine_args`` are passed through to ``vllm.LLM``.
+        """
+        _prepare_environment(in_process=in_process, kv_cache_space_gib=kv_cache_space_gib)
+        _ensure_llguidance_importable()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        _check_process_mode(in_process)
+        sleep_available = bool(current_platform.is_sleep_mode_available())
+        self._sleep_enabled = sleep_available if enable_sleep_mode is None else enable_sleep_mode
+        self._sleep_level = sleep_level
+        self._asleep = False
+        self._in_process = in_process
+        self._stream = random.Random(seed)
+        self._version = 0
+        args: dict[str, Any] = {
+            "model": str(model_path),
+            "dtype": dtype,
+            "seed": seed,
+            "enforce_eager": True,
+            "max_model_len": max_model_len,
+            "logprobs_mode": "raw_logprobs",
+            "enable_sleep_mode": self._sleep_enabled,
+        }
+        if in_process:
+            args["distributed_executor_backend"] = "uni"
+        if not current_platform.is_cpu():
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        args.update(engine_args or {})
+        with _preserve_process_state(enabled=in_process):
+            self._llm = LLM(**args)
+        self.tokenizer = self._llm.get_tokenizer()
+        self._tied = _tied_weight_aliases(self._llm.llm_engine.model_config.hf_config)
+
+    @property
+    def weights_version(self) -> int:
+        """Policy version of the weights currently served."""
+        return self._version
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine core runs in this process."""
+        return self._in_process
+
+    def generate(
+        self,
+        prompts: Prompts,
+        *,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[Completion]:
+        """Sample ``n`` responses per prompt; see ``RolloutEngine.generate``.
+
+        Each prompt is one vLLM request with its own seed derived from ``seed``.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_sampling(n, max_tokens, temperature, top_p)
+        prompt_ids = self.encode(prompts)
+        params = [
+            SamplingParams(
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=request_seed,
+                logprobs=0,
+                skip_special_tokens=True,
+            )
+            for request_seed in request_seeds(seed, len(prompt_ids), self._stream)
+        ]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        return [
+            self._completion(index, prompt_ids[index], sample)
+            for index, output in enumerate(outputs)
+            for sample in sorted(output.outputs, key=lambda sample: sample.index)
+        ]
+
+    def encode(self, prompts: Prompts) -> list[list[int]]:
+        """Token ids of each prompt (texts are tokenized; id lists are passed through)."""
+        encoded = [
+            list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            for prompt in prompts
+        ]
+        for index, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompts[{index}]: empty prompt")
+        return encoded
+
+    def load_weights(self, version: int, source: WeightSource) -> None:
+        """Reload the served weights in place from ``source`` and clear the prefix cache.
+
+        Tied weights: vLLM's CPU linear layers keep a packed copy of their weight, and a tied
+        ``lm_head`` is repacked only when its own name is part of the reload. A source without
+        it (``save_pretrained`` drops tied entries) would leave stale logits, so the alias is
+        added from its canonical tensor (``model.embed_tokens.weight``).
+        """
+        check_version(version, self._version)
+        if (
+            isinstance(source, str | os.PathLike)
+            and not self._in_process
+            and _has_names(Path(source), self._tied)
+        ):
+            self._reload(weights_path=str(source))
+        elif self._in_process:
+            pairs = _with_tied_aliases(iter_named_tensors(source), self._tied)
+            self._reload(weights_iterator=pairs)
+        else:
+            pairs = _with_tied_aliases(iter_named_tensors(source), self._tied)
+            with _safetensors_directory(pairs) as staged:
+                self._reload(weights_path=staged)
+        self._version = version
+
+    def sleep(self) -> None:
+        """Release accelerator memory (``LLM.sleep``); a no-op on CPU, where vLLM has no sleep."""
+        if self._sleep_enabled and not self._asleep:
+            self._llm.sleep(level=self._sleep_level)
+            self._asleep = True
+
+    def wake(self) -> None:
+        """Undo ``sleep`` (``LLM.wake_up``); a no-op when sleep mode is off (CPU)."""
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Shut the engine core (and its processes, in multiprocess mode) down."""
+        self._llm.llm_engine.engine_core.shutdown()
+
+    def _reload(self, **kwargs: Any) -> None:
+        self._llm.collective_rpc("reload_weights", kwargs=kwargs)
+        self._llm.reset_prefix_cache()
+
+    def _completion(self, index: int, prompt_ids: list[int], sample: Any) -> Completion:
+        tokens = list(sample.token_ids)
+        if sample.logprobs is None or len(sample.logprobs) != len(tokens):
+            raise RuntimeError("vLLM returned no sampled-token logprobs (logprobs=0 was requested)")
+        logprobs = [
+            float(step[token].logprob) for token, step in zip(tokens, sample.logprobs, strict=True)
+        ]
+        finish: FinishReason = sample.finish_reason or "length"
+        return Completion(
+            prompt_index=index,
+            prompt_ids=list(prompt_ids),
+            token_ids=tokens,
+            logprobs=logprobs,
+            text=sample.text,
+            finish_reason=finish,
+            weights_version=self._version,
+        )
+
+
+def _prepare_environment(*, in_process: bool, kv_cache_space_gib: int) -> None:
+    """Set the vLLM environment before vllm is imported (explicit settings win)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _check_process_mode(in_process: bool) -> None:
+    import vllm.envs as envs
+
+    if bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING) == in_process:
+        wanted = "in-process" if in_process else "multiprocess"
+        raise RuntimeError(
+            f"in_process: an engine of the other mode already ran in this process and vLLM "
+            f"cached its environment; start {wanted} engines in a separate process"
+        )
+
+
+def _ensure_llguidance_importable() -> None:
+    """Put a placeholder ``llguidance`` on the path when the real package is missing.
+
+    vLLM 0.32 cannot even be imported without llguidance (see the placeholder's docstring), yet
+    rollouts never use it. The placeholder directory is also prepended to ``PYTHONPATH`` because
+    vLLM inspects model classes in a subprocess.
+    """
+    if importlib.util.find_spec("llguidance") is not None:
+        return
+    root = Path(tempfile.gettempdir()) / "rljob-vllm-placeholders"
+    package = root / "llguidance"
+    package.mkdir(parents=True, exist_ok=True)
+    for module in ("__init__.py", "hf.py", "torch.py"):
+        target = package / module
+        if not target.exists() or target.read_text() != _LLGUIDANCE_PLACEHOLDER:
+            staging = package / f".{module}.{os.getpid()}"
+            staging.write_text(_LLGUIDANCE_PLACEHOLDER)
+            staging.replace(target)
+    sys.path.insert(0, str(root))
+    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    importlib.invalidate_caches()
+
+
+@contextlib.contextmanager
+def _preserve_process_state(*, enabled: bool) -> Iterator[None]:
+    """Undo the process-wide side effects of starting an in-process engine.
+
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op and seeds the global
+    ``random`` / numpy / torch generators; a colocated trainer shares this process, so restore them.
+    """
+    if not enabled:
+        yield
+        return
+    import numpy as np
+    import torch
+
+    set_num_threads = torch.set_num_threads
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def _tied_weight_aliases(hf_config: Any) -> dict[str, str]:
+    """``{alias: canonical}`` checkpoint names of weights tied in this model (may be empty)."""
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return {}
+    import transformers
+
+    aliases = {"lm_head.weight": "model.embed_tokens.weight"}
+    for architecture in getattr(hf_config, "architectures", None) or []:
+        declared = getattr(getattr(transformers, architecture, None), "_tied_weights_keys", None)
+        if isinstance(declared, dict):
+            aliases = {str(alias): str(canonical) for alias, canonical in declared.items()}
+    return aliases
+
+
+def _with_tied_aliases(
+    pairs: Iterable[tuple[str, torch.Tensor]], aliases: Mapping[str, str]
+) -> list[tuple[str, torch.Tensor]]:
+    """The pairs plus an ``(alias, canonical tensor)`` entry for each alias they lack."""
+    weights = list(pairs)
+    by_name = dict(weights)
+    for alias, canonical in aliases.items():
+        if alias not in by_name and canonical in by_name:
+            weights.append((alias, by_name[canonical]))
+    return weights
+
+
+def _has_names(directory: Path, names: Iterable[str]) -> bool:
+    """Whether the safetensors files in ``directory`` hold every one of ``names``."""
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            found.update(handle.keys())
+    return set(names) <= found
+
+
+@contextlib.contextmanager
+def _safetensors_directory(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
+    """Write named tensors to a temporary safetensors directory (tensors copied, so tied
+    weights that share storage can be saved)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.cpu().contiguous().clone() for name, tensor in pairs}
+    with tempfile.TemporaryDirectory(prefix="rljob-weights-") as directory:
+        save_file(tensors, str(Path(directory) / "model.safetensors"))
+        yield directory
