@@ -17,7 +17,8 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
     pods = kube.list("v1", "Pod", namespace, selector)
     services = kube.list("v1", "Service", namespace, selector)
     configmaps = kube.list("v1", "ConfigMap", namespace, selector)
-    secrets = kube.list("v1", "Secret", namespace, selector)
+    # the token Secret is read by name: the operator needs no permission to list Secrets
+    token = kube.get("v1", "Secret", namespace, f"{name}-token")
     present = {
         ("ServiceAccount", a["metadata"]["name"])
         for a in kube.list("v1", "ServiceAccount", namespace, selector)
@@ -32,7 +33,7 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         pods=tuple(pods),
         services=frozenset(s["metadata"]["name"] for s in services),
         configmaps={c["metadata"]["name"]: c for c in configmaps},
-        secrets=frozenset(s["metadata"]["name"] for s in secrets),
+        secrets=frozenset([token["metadata"]["name"]] if token else []),
         present=frozenset(present),
         nodes_ready=nodes,
     )
