@@ -58,7 +58,11 @@ def operator(
     cluster: LocalCluster, crd: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     """The operator running cluster-wide as a real process (restartable by tests)."""
-    proc = OperatorProcess(cluster, Path(tmp_path_factory.mktemp("operator")) / "operator.log")
+    proc = OperatorProcess(
+        cluster,
+        Path(tmp_path_factory.mktemp("operator")) / "operator.log",
+        args=("--all-namespaces", "--scale-cooldown-seconds=3"),
+    )
     proc.start()
     try:
         yield proc

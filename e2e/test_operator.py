@@ -71,7 +71,9 @@ def test_example_reaches_running_on_gpu_nodes(
     for kind, count in (("configmap", 2), ("secret", 1), ("serviceaccount", 1), ("role", 1)):
         objs = get_json(cluster, kind, "-n", namespace, "-l", f"rljob.io/job={example}")["items"]
         assert len(objs) == count, kind
-        assert all(o["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"] for o in objs)
+        assert all(
+            o["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"] for o in objs
+        )
     table = cluster.kubectl("get", "rlj", example, "-n", namespace).stdout.splitlines()
     header = table[0].split()
     for column in ("ALGORITHM", "TOPOLOGY", "PHASE", "STEP", "AGE"):

@@ -96,6 +96,7 @@ async def on_change_rljob(name: str, namespace: str | None, **_: Any) -> None:
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-async def on_event_pod(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    """Any change to a job's pod wakes that job's daemon."""
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT})
+async def on_event_child(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    """Any change to a job's pod or ConfigMap (workers' progress reports) wakes its daemon."""
     _wake(namespace or "default", labels[LABEL_JOB])
