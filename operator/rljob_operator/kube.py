@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -67,6 +68,8 @@ class Kube:
                 config_file=kubeconfig, client_configuration=cfg
             )
         cfg.connection_pool_maxsize = 32
+        if not cfg.verify_ssl:  # the kubeconfig asked for it (e.g. a loopback test cluster)
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         return cls(client.ApiClient(cfg))
 
     def request(

@@ -1,0 +1,144 @@
+"""Failover MTTR on the local control plane (a benchmark: prints numbers, never pass/fail).
+
+Injects failures with kwok's chaos stage and measures, over repeated injections:
+- rollout pod Failed → its replacement Running (the rest of the job untouched);
+- trainer pod Failed → the whole trainer group Running again (backoff 0 s).
+Prints a table with medians and writes bench/results/failover_mttr.{json,png}.
+Usage: .venv/bin/python -m bench.failover_mttr [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.cluster import REPO, LocalCluster
+from e2e.operator_proc import OperatorProcess, install_crd
+from rljob_operator.kube import Kube
+
+RESULTS = REPO / "bench" / "results"
+
+
+def pods(kube: Kube, ns: str, selector: str) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in kube.list("v1", "Pod", ns, selector)
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def all_running(kube: Kube, ns: str, selector: str, count: int, exclude: set[str]) -> bool:
+    items = pods(kube, ns, selector)
+    fresh = [p for p in items if p["metadata"]["uid"] not in exclude]
+    running = [p for p in items if p.get("status", {}).get("phase") == "Running"]
+    return len(running) == count and len(fresh) == len(items)
+
+
+def wait(check: Any, timeout: float = 120) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def inject(cluster: LocalCluster, ns: str, pod: str) -> None:
+    cluster.kubectl(
+        "label", "pod", pod, "-n", ns, "pod-container-running-failed.stage.kwok.x-k8s.io=true"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    rollout_s: list[float] = []
+    trainer_s: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(Path(tmp) / "c", gpu_nodes=4, tie_to_parent=True)
+        cluster.up()
+        try:
+            install_crd(cluster)
+            op = OperatorProcess(cluster, Path(tmp) / "op.log")
+            op.start()
+            kube = Kube.connect(str(cluster.kubeconfig))
+            raw = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())
+            raw["metadata"]["name"] = "mttr"
+            raw["spec"]["failurePolicy"] = {
+                "maxRestarts": 1000,
+                "backoffSeconds": 0,
+                "maxBackoffSeconds": 0,
+            }
+            cluster.kubectl("apply", "-n", "default", "-f", "-", input=yaml.safe_dump(raw))
+            sel = "rljob.io/job=mttr"
+            wait(lambda: all_running(kube, "default", sel, 4, set()))
+            for i in range(args.repeat):
+                print(f"[bench] injection {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
+                victim = pods(kube, "default", sel + ",rljob.io/role=rollout")[0]
+                inject(cluster, "default", victim["metadata"]["name"])
+                rollout_s.append(
+                    wait(
+                        lambda v=victim: all_running(
+                            kube, "default", sel, 4, {v["metadata"]["uid"]}
+                        )
+                    )
+                )
+                trainers = pods(kube, "default", sel + ",rljob.io/role=trainer")
+                inject(cluster, "default", trainers[0]["metadata"]["name"])
+                old = {t["metadata"]["uid"] for t in trainers}
+                trainer_s.append(
+                    wait(
+                        lambda o=old: all_running(
+                            kube, "default", sel + ",rljob.io/role=trainer", 2, o
+                        )
+                    )
+                )
+            op.kill()
+        finally:
+            cluster.down()
+    result = {
+        "rollout_pod_mttr_s": {"runs": rollout_s, "median": statistics.median(rollout_s)},
+        "trainer_group_mttr_s": {"runs": trainer_s, "median": statistics.median(trainer_s)},
+        "note": "from the chaos label (pod Failed after kwok's stage delay) to replacement Running",
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "failover_mttr.json").write_text(json.dumps(result, indent=2))
+    _plot(rollout_s, trainer_s, RESULTS / "failover_mttr.png")
+    print("| failure | median MTTR | min | max | injections |")
+    print("|---|---|---|---|---|")
+    for label, xs in (
+        ("rollout pod → replacement Running", rollout_s),
+        ("trainer pod → group Running", trainer_s),
+    ):
+        print(
+            f"| {label} | {statistics.median(xs):.2f} s | {min(xs):.2f} s | {max(xs):.2f} s "
+            f"| {len(xs)} |"
+        )
+    return 0
+
+
+def _plot(rollout_s: list[float], trainer_s: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.boxplot([rollout_s, trainer_s], tick_labels=["rollout pod", "trainer group"])
+    ax.set_ylabel("seconds to Running again")
+    ax.set_title("Failover MTTR on the local control plane (kwok chaos)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
