@@ -1,0 +1,153 @@
+"""Trainer data parallelism: process-group start-up from the environment, DDP with gradient
+compression chosen by the job spec.
+
+The operator (or the local runner) gives every trainer process ``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``WORLD_SIZE`` and optionally ``LOCAL_RANK`` — the same variables ``torchrun`` sets.
+Gradient compression is a DDP communication hook:
+
+- ``none``: DDP's built-in all-reduce;
+- ``fp16`` / ``bf16``: gradients are cast to half precision for the all-reduce (half the bytes;
+  ``bf16`` keeps fp32's range, ``fp16`` more mantissa);
+- ``powerSGD``: rank-``r`` low-rank approximation of each gradient matrix with error feedback
+  and warm start (vectors such as biases are all-reduced uncompressed); the first
+  ``start_powersgd_iter`` steps all-reduce uncompressed so the error feedback starts from sound
+  gradients.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
+
+from rljob_workers.config import GradientCompressionConfig
+
+__all__ = [
+    "DistributedContext",
+    "init_process_group_from_env",
+    "register_compression_hook",
+    "wrap_ddp",
+]
+
+_REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the trainer group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def init_process_group_from_env(
+    backend: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> DistributedContext:
+    """Join the trainer process group described by the torchrun-style environment.
+
+    ``backend`` None picks ``nccl`` when CUDA is available, else ``gloo``. With ``nccl`` the
+    process binds ``cuda:LOCAL_RANK``. Calling it again in an initialised process returns the
+    existing group's context.
+    """
+    source = os.environ if env is None else env
+    missing = [name for name in _REQUIRED_ENV if not source.get(name)]
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} not set: a trainer process needs MASTER_ADDR, MASTER_PORT, "
+            "RANK and WORLD_SIZE (the operator sets them; locally export them as torchrun does)"
+        )
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(source.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if chosen == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        host = source["MASTER_ADDR"]
+        host = f"[{host}]" if ":" in host else host
+        dist.init_process_group(
+            chosen,
+            init_method=f"tcp://{host}:{int(source['MASTER_PORT'])}",
+            rank=int(source["RANK"]),
+            world_size=int(source["WORLD_SIZE"]),
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return DistributedContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        backend=str(dist.get_backend()),
+        device=device,
+    )
+
+
+def register_compression_hook(
+    ddp: DistributedDataParallel,
+    compression: GradientCompressionConfig,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    start_powersgd_iter: int = 2,
+) -> None:
+    """Register the communication hook ``compression`` names on ``ddp`` (``none``: nothing)."""
+    if compression.type == "none":
+        return
+    if compression.type == "fp16":
+        ddp.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
+        return
+    if compression.type == "bf16":
+        ddp.register_comm_hook(process_group, default_hooks.bf16_compress_hook)
+        return
+    if compression.rank < 1:
+        raise ValueError(
+            "spec.trainer.gradientCompression.rank: must be >= 1 for powerSGD, "
+            f"got {compression.rank}"
+        )
+    state = powersgd.PowerSGDState(
+        process_group=process_group,
+        matrix_approximation_rank=compression.rank,
+        start_powerSGD_iter=max(2, start_powersgd_iter),
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=0,
+    )
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+
+
+def wrap_ddp(
+    model: nn.Module,
+    compression: GradientCompressionConfig,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    device_ids: list[int] | None = None,
+    gradient_checkpointing: bool = False,
+    start_powersgd_iter: int = 2,
+) -> DistributedDataParallel:
+    """Wrap ``model`` in DDP with the gradient compression hook the spec chose.
+
+    ``gradient_checkpointing=True`` declares a static graph, which DDP needs when activation
+    checkpointing re-runs forward passes during backward.
+    """
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=process_group,
+        static_graph=gradient_checkpointing,
+    )
+    register_compression_hook(
+        ddp, compression, process_group=process_group, start_powersgd_iter=start_powersgd_iter
+    )
+    return ddp

@@ -1,0 +1,232 @@
+"""Weight sync over HTTP: the trainer serves its latest weights, rollouts pull them.
+
+Elastic-friendly: the server keeps only the latest encoded payload, so a rollout that joins at any
+time fetches the current version with one request. Endpoints (job token required):
+
+- ``GET /v1/weights/latest?after=N&wait_s=S`` — the payload (``application/octet-stream``,
+  see ``codec``) with headers ``X-RLJob-Version`` and ``X-RLJob-Compression``, as soon as the
+  latest version is newer than ``N`` (omit ``after`` for "whatever is latest"). Long-poll: waits
+  up to ``S`` seconds (capped at 60) for a newer version, else answers 204.
+- ``GET /v1/weights/version`` — ``{"version": N | null}``.
+
+Latency (publish → usable on the receiver) is measured as wall-clock receipt-after-decode minus
+the publish time stamped in the payload: exact on one host, subject to clock skew across hosts.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from urllib.parse import urlencode, urlsplit
+
+import torch
+
+from rljob_workers.transport.auth import AuthError, bearer_header
+from rljob_workers.transport.authhttp import (
+    AuthenticatedHTTPServer,
+    BadRequest,
+    Request,
+    Response,
+    json_response,
+)
+from rljob_workers.weightsync.codec import (
+    Compression,
+    DecodedWeights,
+    decode_weights,
+    encode_weights,
+    raw_nbytes,
+)
+
+__all__ = ["MAX_WAIT_S", "PublishReport", "ReceivedWeights", "WeightClient", "WeightServer"]
+
+MAX_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What one publish cost."""
+
+    version: int
+    raw_bytes: int
+    wire_bytes: int
+    encode_ms: float
+
+
+@dataclass(frozen=True)
+class ReceivedWeights:
+    """Decoded weights plus how long they took to arrive (publish → usable, in ms)."""
+
+    weights: DecodedWeights
+    latency_ms: float
+
+    @property
+    def version(self) -> int:
+        """Policy version of these weights."""
+        return self.weights.version
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` pairs for ``RolloutEngine.load_weights``."""
+        return self.weights.named_tensors()
+
+
+class WeightServer:
+    """Serve the trainer's latest weights at ``url`` (port 0 picks a free port)."""
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        compression: Compression = "none",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.compression: Compression = compression
+        self._clock = clock
+        self._payload: bytes | None = None
+        self._version: int | None = None
+        self._changed = threading.Condition()
+        routes = {
+            ("GET", "/v1/weights/latest"): self._latest,
+            ("GET", "/v1/weights/version"): self._version_route,
+        }
+        self._http = AuthenticatedHTTPServer(token, routes, host=host, port=port)
+
+    @property
+    def url(self) -> str:
+        """Base URL rollouts fetch from."""
+        return self._http.url
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Refused requests by reason: ``missing_token`` (401), ``wrong_token`` (403)."""
+        return dict(self._http.refused)
+
+    @property
+    def version(self) -> int | None:
+        """Latest published version; None before the first publish."""
+        return self._version
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> PublishReport:
+        """Encode ``state`` as ``version`` and make it the latest; versions must increase."""
+        if self._version is not None and version <= self._version:
+            raise ValueError(f"version: {version} is not newer than published {self._version}")
+        start = time.perf_counter()
+        payload = encode_weights(version, state, self.compression, published_at=self._clock())
+        encode_ms = (time.perf_counter() - start) * 1000
+        with self._changed:
+            self._payload, self._version = payload, version
+            self._changed.notify_all()
+        return PublishReport(version, raw_nbytes(state), len(payload), encode_ms)
+
+    def start(self) -> WeightServer:
+        """Start serving on a background thread; returns self."""
+        self._http.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving; wakes long-polls, which answer 204."""
+        with self._changed:
+            self._http.closing.set()
+            self._changed.notify_all()
+        self._http.close()
+
+    def __enter__(self) -> WeightServer:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _latest(self, request: Request) -> Response:
+        try:
+            after = int(request.query.get("after", "-1"))
+            wait_s = min(float(request.query.get("wait_s", "0")), MAX_WAIT_S)
+        except ValueError:
+            raise BadRequest("query: 'after' must be an integer and 'wait_s' a number") from None
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._newer_than(after) or self._http.closing.is_set(), timeout=wait_s
+            )
+            payload, version = self._payload, self._version
+        if payload is None or version is None or version <= after:
+            return Response(204, headers={"X-RLJob-Version": str(version)})
+        headers = {"X-RLJob-Version": str(version), "X-RLJob-Compression": self.compression}
+        return Response(200, payload, "application/octet-stream", headers)
+
+    def _newer_than(self, after: int) -> bool:
+        return self._version is not None and self._version > after
+
+    def _version_route(self, request: Request) -> Response:
+        return json_response({"version": self._version})
+
+
+class WeightClient:
+    """Fetch weights from a ``WeightServer`` (in each rollout worker).
+
+    Transport failures raise ``ConnectionError`` (the rollout loop tries again at its next
+    check); a refused token raises ``AuthError``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        request_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"url: expected http://host:port, got {url!r}")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._headers = bearer_header(token)
+        self.request_timeout_s = request_timeout_s
+        self._clock = clock
+
+    def fetch_latest(
+        self, *, after: int | None = None, wait_s: float = 0.0
+    ) -> ReceivedWeights | None:
+        """The latest weights, if newer than ``after``; waits up to ``wait_s`` for them.
+
+        Returns None when nothing newer appeared in time.
+        """
+        query = {"wait_s": wait_s} if after is None else {"after": after, "wait_s": wait_s}
+        status, payload = self._get("/v1/weights/latest?" + urlencode(query), wait_s)
+        if status == 204:
+            return None
+        weights = decode_weights(payload)
+        return ReceivedWeights(weights, (self._clock() - weights.published_at) * 1000)
+
+    def latest_version(self) -> int | None:
+        """The server's latest version without downloading the weights."""
+        _, payload = self._get("/v1/weights/version", 0.0)
+        version = json.loads(payload)["version"]
+        return None if version is None else int(version)
+
+    def _get(self, path: str, wait_s: float) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(
+            self._host, self._port, timeout=self.request_timeout_s + wait_s
+        )
+        try:
+            conn.request("GET", path, headers=self._headers)
+            response = conn.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as err:
+            raise ConnectionError(f"weights from {self._host}:{self._port}: {err}") from err
+        finally:
+            conn.close()
+        if response.status in (401, 403):
+            raise AuthError(
+                f"weight server {self._host}:{self._port} refused the job token "
+                f"({response.status}): check that RLJOB_TOKEN comes from this job's Secret"
+            )
+        if response.status not in (200, 204):
+            raise ConnectionError(f"weight server answered {response.status}: {payload[:200]!r}")
+        return response.status, payload
