@@ -277,11 +277,12 @@ class ColocatedRuntime:
         every = self.config.checkpoint.every_steps
         while self.step < self.config.total_steps:
             record = self.train_step()
+            if every > 0 and (self.step % every == 0 or self.step == self.config.total_steps):
+                saved = self.save_checkpoint()
+                record["checkpoint"] = None if saved is None else str(saved)
             records.append(record)
             if on_step is not None:
                 on_step(record)
-            if every > 0 and (self.step % every == 0 or self.step == self.config.total_steps):
-                self.save_checkpoint()
         return records
 
     def train_step(self) -> dict[str, Any]:
@@ -453,6 +454,8 @@ class ColocatedRuntime:
         mask = prepared.batch.response_mask
         summary["advantage_var"] = self._advantage_variance(prepared.sequence_advantages)
         summary["policy_lag_versions"] = float(algo.ppo_epochs * self.minibatches - 1)
+        gap = (prepared.behaviour_logp - prepared.old_logp).abs()
+        summary["engine_logprob_gap"] = float(masked_mean(gap, mask))
         summary["truncated_fraction"] = _mean([float(t) for t in rollout.truncated])
         summary["tokens"] = float(mask.sum())
         summary["_last_optimizer_step"] = last_step
@@ -748,6 +751,68 @@ def _max_model_len(model_path: str) -> int:
     return min(int(raw.get("max_position_embeddings", MAX_MODEL_LEN)), MAX_MODEL_LEN)
 
 
+class _StepReporter:
+    """Fans a step record out: JSONL file, Prometheus, operator heartbeat and the log."""
+
+    def __init__(self, config: WorkerConfig, env: ProcessEnv) -> None:
+        from rljob_workers.heartbeat import heartbeat_from_env
+
+        self.config = config
+        self.env = env
+        self.exporter = WorkerMetrics(job=config.job_name, role=env.role, rank=env.rank)
+        port = self.exporter.serve(config.endpoints.metrics_port)
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        self.sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
+        self.heartbeat = heartbeat_from_env(
+            config.job_namespace, config.job_name, config.output_dir
+        )
+        self.dropped = 0
+        self.last_checkpoint: str | None = None
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.sink.write({**record, "role": self.env.role, "rank": self.env.rank})
+        self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
+        dropped = int(record.get("dropped_samples", 0))
+        self.exporter.count_dropped("no_signal", dropped)
+        self.dropped += dropped
+        self.last_checkpoint = record.get("checkpoint") or self.last_checkpoint
+        self.beat(record, done=record["step"] >= self.config.total_steps)
+        log.info(format_step(record, self.config.total_steps))
+
+    def beat(self, record: dict[str, Any], *, done: bool) -> None:
+        """Report progress to the operator; a failed report is logged, never fatal."""
+        from rljob_workers.config import Progress
+
+        progress = Progress(
+            role=self.env.role,
+            replica=self.env.replica,
+            time=time.time(),
+            step=int(record.get("step", 0)),
+            policy_version=int(record.get("policy_version", 0)),
+            policy_lag_ms=record.get("policy_lag_ms"),
+            policy_lag_versions=record.get("policy_lag_versions"),
+            buffer_age_seconds=record.get("buffer_age_s"),
+            dropped={"no_signal": self.dropped},
+            last_checkpoint=self.last_checkpoint,
+            tokens_per_second=record.get("tokens_per_s"),
+            reward_mean=_finite_or_none(record.get("reward_mean")),
+            done=done,
+        )
+        try:
+            self.heartbeat.write(progress)
+        except OSError as exc:
+            log.warning("progress report failed: %s", exc)
+
+    def close(self) -> None:
+        """Close the JSONL file and stop the endpoint."""
+        self.sink.close()
+        self.exporter.close()
+
+
+def _finite_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
 def run_colocated(
     config: WorkerConfig,
     env: ProcessEnv,
@@ -755,36 +820,27 @@ def run_colocated(
     engine: RolloutEngine | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """The actor process: join the group, build, resume, train, export metrics; return records.
+    """The actor process: join the group, build, resume, train, report; return the records.
 
-    Every step is appended to ``<output_dir>/metrics-actor-<rank>.jsonl`` and exported on the
-    Prometheus endpoint (``endpoints.metrics_port``; 0 picks a free port).
+    Every step is appended to ``<output_dir>/metrics-actor-<rank>.jsonl``, exported on the
+    Prometheus endpoint (``endpoints.metrics_port``; 0 picks a free port) and reported to the
+    operator as a ``Progress`` heartbeat.
     """
     with process_group(env, config):
         runtime = build_colocated_runtime(config, env, engine=engine)
         if config.checkpoint.resume and runtime.resume():
-            log.info(
-                "continuing at step %d (policy version %d)", runtime.step, runtime.policy_version
-            )
-        exporter = WorkerMetrics(job=config.job_name, role=env.role, rank=env.rank)
-        port = exporter.serve(config.endpoints.metrics_port)
-        log.info("metrics on http://127.0.0.1:%d/metrics", port)
-        sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
-        threshold = config.staleness.max_policy_lag_ms
+            log.info("continuing at step %d (version %d)", runtime.step, runtime.policy_version)
+        reporter = _StepReporter(config, env)
 
-        def record(step: dict[str, Any]) -> None:
-            sink.write({**step, "role": env.role, "rank": env.rank})
-            exporter.observe_step(step, lag_threshold_ms=threshold)
-            exporter.count_dropped("no_signal", int(step.get("dropped_samples", 0)))
-            log.info(format_step(step, config.total_steps))
+        def report(record: dict[str, Any]) -> None:
+            reporter(record)
             if on_step is not None:
-                on_step(step)
+                on_step(record)
 
         try:
-            return runtime.run(on_step=record)
+            return runtime.run(on_step=report)
         finally:
-            sink.close()
-            exporter.close()
+            reporter.close()
             runtime.engine.close()
 
 

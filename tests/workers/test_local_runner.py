@@ -1,0 +1,190 @@
+"""The worker entry point and the local runner behind ``rljob run job.yaml --local``.
+
+Aspects under test:
+- a bad config fails before any work: the worker exits 2 at once with one line per problem,
+  each naming the RLJob field to fix, and writes no metrics;
+- the disaggregated roles say they are not implemented yet;
+- the runner renders a local config (loopback, free ports, paths in the work directory);
+- (slow) two actor processes train together over gloo: live progress, a final table, a JSON
+  summary and PNG plots; every rank reports the same all-reduced reward and policy version;
+- (slow) when one process fails the runner stops the others and no process of the run is left.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rljob_workers.config import (
+    AlgorithmConfig,
+    ModelConfig,
+    ProcessEnv,
+    RolloutConfig,
+    SamplingConfig,
+    TaskConfig,
+    WorkerConfig,
+)
+from rljob_workers.local_runner import localize_config, run_local
+from rljob_workers.main import validate_worker_config
+from rljob_workers.tinymodel import build_tiny_model
+
+WORKERS_ROOT = Path(__file__).resolve().parents[2] / "workers"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-model", seed=0)
+
+
+def _config(model_path, **overrides) -> WorkerConfig:
+    values = {
+        "job_name": "local-test",
+        "topology": "colocated",
+        "algorithm": AlgorithmConfig(
+            name="grpo",
+            advantage_estimator="grpo",
+            learning_rate=2e-3,
+            group_size=4,
+            batch_size=4,
+            mini_batch_size=4,
+        ),
+        "model": ModelConfig(path=str(model_path)),
+        "task": TaskConfig(builtin="successor", num_prompts=16),
+        "rollout": RolloutConfig(engine="hf", sampling=SamplingConfig(n=4, max_tokens=3)),
+        "total_steps": 3,
+    }
+    values.update(overrides)
+    return WorkerConfig(**values)
+
+
+def _run_worker(config: WorkerConfig, tmp_path: Path, role: str = "actor"):
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.dump())
+    env = {
+        **os.environ,
+        "RLJOB_ROLE": role,
+        "RLJOB_CONFIG": str(config_path),
+        "PYTHONPATH": str(WORKERS_ROOT),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "rljob_workers.main"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_validate_worker_config_lists_every_bad_field(tmp_path):
+    config = _config(
+        tmp_path / "missing-model",
+        task=TaskConfig(builtin="sorting"),
+        rollout=RolloutConfig(engine="hf", sampling=SamplingConfig(n=3)),
+    )
+    problems = validate_worker_config(config, ProcessEnv(role="actor"))
+    fields = [problem.split(":", 1)[0] for problem in problems]
+    assert fields == ["spec.model.path", "spec.task.builtin", "spec.rollout.sampling.n"]
+    assert "does not exist" in problems[0]
+
+
+def test_worker_missing_model_path_exits_before_any_work_naming_field(tmp_path):
+    config = _config(tmp_path / "no-such-model", output_dir=str(tmp_path / "out"))
+    started = time.monotonic()
+    result = _run_worker(config, tmp_path)
+    assert result.returncode == 2
+    assert "invalid configuration: spec.model.path:" in result.stderr
+    assert str(tmp_path / "no-such-model") in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert time.monotonic() - started < 120
+
+
+def test_worker_disaggregated_role_is_not_implemented_yet(tiny_model, tmp_path):
+    config = _config(tiny_model, topology="disaggregated", output_dir=str(tmp_path / "out"))
+    result = _run_worker(config, tmp_path, role="trainer")
+    assert result.returncode == 1
+    assert "disaggregated: RL workers II" in result.stderr
+
+
+def test_localize_config_uses_loopback_free_ports_and_workdir(tiny_model, tmp_path):
+    local = localize_config(_config(tiny_model), tmp_path)
+    assert local.endpoints.trainer_host == "127.0.0.1"
+    assert local.endpoints.rendezvous_port not in (0, 29500)
+    assert local.output_dir == str(tmp_path)
+    assert local.checkpoint.dir == str(tmp_path / "checkpoints")
+
+
+def _processes_of_run(workdir: Path) -> list[int]:
+    """Pids of live processes whose environment points at this run's config."""
+    marker = f"RLJOB_CONFIG={workdir / 'config.json'}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_run_local_two_actors_train_together_and_write_report(tiny_model, tmp_path):
+    out = io.StringIO()
+    config = _config(tiny_model, trainer={"replicas": 2})
+    result = run_local(config, workdir=tmp_path, stream=out, threads_per_process=1)
+
+    assert result.ok, result.failure
+    assert result.exit_codes == {"actor-0": 0, "actor-1": 0}
+    text = out.getvalue()
+    assert "[actor-0] step 3/3" in text
+    assert "policy lag median (ms)" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] and set(summary["processes"]) == {"actor-0", "actor-1"}
+    assert summary["processes"]["actor-0"]["steps"] == 3
+    for plot in ("reward.png", "policy_lag.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+    rank0, rank1 = result.records["actor-0"], result.records["actor-1"]
+    assert [r["reward_mean"] for r in rank0] == [r["reward_mean"] for r in rank1]
+    assert [r["policy_version"] for r in rank0] == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "step-00000003" / "state.json").is_file()
+    assert _processes_of_run(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_run_local_failing_process_stops_all_children(tiny_model, tmp_path, monkeypatch):
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "flaky_reward.py").write_text(
+        "import os\n"
+        "if os.environ.get('RLJOB_RANK') == '1':\n"
+        "    raise RuntimeError('reward service unreachable from rank 1')\n"
+        "def reward(text, answer):\n"
+        "    return 0.0\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(modules))
+    workdir = tmp_path / "run"
+    config = _config(
+        tiny_model,
+        trainer={"replicas": 2},
+        task=TaskConfig(builtin="successor", reward_function="flaky_reward:reward"),
+        total_steps=1000,
+    )
+    started = time.monotonic()
+    result = run_local(config, workdir=workdir, stream=io.StringIO(), timeout_s=400)
+
+    assert not result.ok
+    assert result.failure is not None and result.failure.startswith("actor-1 exited with code 1")
+    assert "reward service unreachable from rank 1" in result.failure
+    assert result.exit_codes["actor-0"] != 0
+    assert time.monotonic() - started < 400
+    assert _processes_of_run(workdir) == []

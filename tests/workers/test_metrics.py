@@ -1,0 +1,132 @@
+"""Worker metrics: the Prometheus endpoint and the per-process JSONL step log.
+
+Aspects under test:
+- the endpoint serves every step gauge, the lag / step-time histograms and the dropped-samples
+  counter, labelled with job, role and rank;
+- a policy lag above the threshold is counted; non-finite values never reach a gauge;
+- a metrics port already in use falls back to a free one instead of killing the worker;
+- the JSONL log holds one line per step, survives a torn last line, and a resumed run's repeated
+  steps replace the earlier ones;
+- the log path follows ``metrics-<role>-<rank>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import urllib.request
+
+import pytest
+
+from rljob_workers.metrics import (
+    STEP_GAUGES,
+    MetricsLog,
+    WorkerMetrics,
+    metrics_log_path,
+    read_metrics_log,
+)
+
+STEP = {
+    "step": 3,
+    "policy_version": 3,
+    "reward_mean": 0.625,
+    "kl": 0.0125,
+    "entropy": 1.5,
+    "clip_fraction": 0.25,
+    "advantage_var": 0.75,
+    "tokens_per_s": 812.0,
+    "step_time_s": 0.4,
+    "policy_lag_ms": 3.5,
+    "policy_lag_versions": 0.0,
+    "buffer_age_s": 0.2,
+}
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+@pytest.fixture
+def exporter():
+    metrics = WorkerMetrics(job="demo", role="actor", rank=1)
+    yield metrics
+    metrics.close()
+
+
+def test_worker_metrics_endpoint_serves_every_step_gauge_with_labels(exporter):
+    port = exporter.serve(0)
+    exporter.observe_step(STEP, lag_threshold_ms=50.0)
+    exporter.count_dropped("no_signal", 12)
+    text = _scrape(port)
+    labels = 'job="demo",rank="1",role="actor"'
+    for key, (name, _help) in STEP_GAUGES.items():
+        assert f"{name}{{{labels}}} {float(STEP[key])}" in text, name
+    dropped = 'job="demo",rank="1",reason="no_signal",role="actor"'
+    assert f"rljob_dropped_samples_total{{{dropped}}} 12.0" in text
+    assert f"rljob_policy_lag_ms_distribution_count{{{labels}}} 1.0" in text
+    assert f"rljob_step_time_seconds_count{{{labels}}} 1.0" in text
+
+
+def test_worker_metrics_lag_above_threshold_is_counted(exporter):
+    port = exporter.serve(0)
+    exporter.observe_step({**STEP, "policy_lag_ms": 80.0}, lag_threshold_ms=50.0)
+    exporter.observe_step({**STEP, "policy_lag_ms": 2.0}, lag_threshold_ms=50.0)
+    text = _scrape(port)
+    assert 'rljob_policy_lag_threshold_exceeded_total{job="demo",rank="1",role="actor"} 1.0' in text
+
+
+def test_worker_metrics_non_finite_value_leaves_gauge_unchanged(exporter):
+    port = exporter.serve(0)
+    exporter.observe_step(STEP, lag_threshold_ms=None)
+    exporter.observe_step({**STEP, "reward_mean": float("nan")}, lag_threshold_ms=None)
+    assert 'rljob_reward_mean{job="demo",rank="1",role="actor"} 0.625' in _scrape(port)
+
+
+def test_worker_metrics_port_in_use_falls_back_to_free_port(exporter):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        port = exporter.serve(busy)
+        assert port != busy
+        exporter.observe_step(STEP, lag_threshold_ms=None)
+        assert "rljob_step{" in _scrape(port)
+
+
+def test_metrics_log_path_names_role_and_rank(tmp_path):
+    assert metrics_log_path(tmp_path, "trainer", 2) == tmp_path / "metrics-trainer-2.jsonl"
+
+
+def test_metrics_log_one_line_per_step_with_null_for_non_finite(tmp_path):
+    path = tmp_path / "metrics-actor-0.jsonl"
+    with MetricsLog(path) as log:
+        log.write({"step": 1, "reward_mean": 0.5})
+        log.write({"step": 2, "reward_mean": float("inf")})
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert json.loads(lines[1])["reward_mean"] is None
+
+
+def test_read_metrics_log_torn_last_line_is_skipped(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "reward_mean": 0.1}\n{"step": 2, "rew')
+    assert read_metrics_log(path) == [{"step": 1, "reward_mean": 0.1}]
+
+
+def test_read_metrics_log_resumed_run_repeated_step_later_record_wins(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with MetricsLog(path) as log:
+        for step, reward in [(1, 0.1), (2, 0.2), (3, 0.3), (3, 0.35), (4, 0.4)]:
+            log.write({"step": step, "reward_mean": reward})
+    records = read_metrics_log(path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert math.isclose(records[2]["reward_mean"], 0.35)
+
+
+def test_metrics_log_write_after_close_raises(tmp_path):
+    log = MetricsLog(tmp_path / "m.jsonl")
+    log.close()
+    with pytest.raises(ValueError, match="closed"):
+        log.write({"step": 1})
