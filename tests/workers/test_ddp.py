@@ -12,8 +12,9 @@ Aspects under test:
 Each rank is this file run as a script in its own process. Start-up dominates the run time: with
 PYTHONDONTWRITEBYTECODE=1 every process recompiles torch (and DDP's torch._dynamo) from source.
 
-Measured on this machine (k=10 SGD steps, lr 0.1, 2 ranks, max |Δparam| vs uncompressed):
-fp16 ~1e-4, bf16 ~1e-3, PowerSGD rank 1 ~2e-2, rank 2 ~2e-2 (parameters move ~0.15 in total).
+Measured on this machine (k=10 SGD steps, lr 0.1, 2 ranks, max |Δparam| vs uncompressed;
+the parameters move up to 0.085 in total): fp16 1.1e-5, bf16 7.1e-5, PowerSGD rank 1 1.5e-2,
+rank 2 5.4e-3. The tolerances below allow roughly 10x (fp16, bf16) and 3x (PowerSGD).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ HOOKS: dict[str, GradientCompressionConfig] = {
     "powerSGD-2": GradientCompressionConfig(type="powerSGD", rank=2),
 }
 # Stated tolerances: max |param - uncompressed param| after STEPS steps.
-TOLERANCE = {"fp16": 1e-3, "bf16": 1e-2, "powerSGD-1": 6e-2, "powerSGD-2": 6e-2}
+TOLERANCE = {"fp16": 1e-4, "bf16": 1e-3, "powerSGD-1": 4e-2, "powerSGD-2": 2e-2}
 
 
 def make_model() -> nn.Module:

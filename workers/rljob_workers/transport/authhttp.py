@@ -123,7 +123,10 @@ class _Handler(BaseHTTPRequestHandler):
         if route is None:
             known = any(p == path for _, p in owner.routes)
             return json_response({"error": f"{method} {path} not served"}, 405 if known else 404)
-        length = int(self.headers.get("Content-Length") or 0)
+        length = _content_length(self.headers.get("Content-Length"))
+        if length < 0:
+            self.close_connection = True
+            return json_response({"error": "Content-Length: expected a non-negative integer"}, 400)
         if length > owner.max_body_bytes:
             self.close_connection = True
             return json_response({"error": f"body over {owner.max_body_bytes} bytes"}, 413)
@@ -137,7 +140,7 @@ class _Handler(BaseHTTPRequestHandler):
             return json_response({"error": "internal error"}, 500)
 
     def _refuse(self, verdict: AuthVerdict) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        length = _content_length(self.headers.get("Content-Length"))
         if 0 < length <= _DRAIN_LIMIT:
             self.rfile.read(length)
         self.close_connection = True
@@ -156,6 +159,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if response.body:
             self.wfile.write(response.body)
+
+
+def _content_length(header: str | None) -> int:
+    """The declared body length; -1 when the header is malformed."""
+    try:
+        return int(header or 0)
+    except ValueError:
+        return -1
 
 
 class AuthenticatedHTTPServer:
