@@ -33,6 +33,9 @@ build_deps_venv() {
     echo "torchvision/torchaudio/torchcodec must not be installed beside torch==2.13.0" >&2
     return 1
   fi
+  # Byte-compile once here: uv does not, and with PYTHONDONTWRITEBYTECODE set every process would
+  # recompile torch/vllm/transformers on import (tens of seconds per worker process).
+  "$DEPS/bin/python" -m compileall -q -j 0 "$("$DEPS/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
   "$DEPS/bin/python" -c 'import torch, vllm, kopf, transformers; print("torch", torch.__version__, "vllm", vllm.__version__)'
   touch "$DEPS/.complete"
 }

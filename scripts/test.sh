@@ -7,6 +7,8 @@ repo=$(cd "$here/.." && pwd)
 cd "$repo"
 bash scripts/setup.sh
 py=.venv/bin/python
+# let the test processes cache their own bytecode (the dependency venv is compiled at set-up)
+unset PYTHONDONTWRITEBYTECODE
 echo "[test] ruff"; $py -m ruff check . && $py -m ruff format --check .
 echo "[test] mypy (strict on the packages)"; $py -m mypy operator/rljob_operator workers/rljob_workers
 echo "[test] import-linter (layers of DESIGN.md §3)"
