@@ -12,6 +12,7 @@ Aspects under test:
 from typing import Any
 
 import pytest
+
 from rljob_workers.buffer import DROP_REASONS, ExperienceBuffer, Trajectory
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rljob_workers.algos import (
     broadcast_advantages_to_tokens,
     compute_dr_grpo_advantages,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rljob_workers.algos import aggregate_loss
 
 LOSS = [[1.0, 2.0, 3.0], [10.0, 77.0, 77.0]]

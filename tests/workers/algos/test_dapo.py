@@ -8,6 +8,7 @@ Aspects under test:
 
 import pytest
 import torch
+
 from rljob_workers.algos import dynamic_sampling_keep_mask, overlong_reward_penalty
 
 

@@ -9,6 +9,7 @@ Aspects under test:
 import math
 
 import torch
+
 from rljob_workers.algos import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
 
 

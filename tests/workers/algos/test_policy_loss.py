@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+
 from rljob_workers.algos import (
     aggregate_loss,
     decoupled_ppo_policy_loss,

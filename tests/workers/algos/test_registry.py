@@ -6,6 +6,7 @@ Aspects under test:
 """
 
 import pytest
+
 from rljob_workers.algos import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from rljob_workers.algos import entropy_from_logits, masked_mean, masked_var, masked_whiten
 
 VALUES = [[1.0, 2.0, 3.0], [4.0, math.nan, 100.0]]

@@ -8,6 +8,7 @@ Aspects under test:
 
 import pytest
 import torch
+
 from rljob_workers.algos import clipped_value_loss
 
 
