@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rljob_operator import __version__
 
@@ -55,6 +55,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         default=30.0,
         help="minimum time between two changes by the built-in elastic rollout policy",
     )
+    _add_leader_election_flags(parser)
     parser.add_argument("--verbose", "-v", action="store_true")
     parser.add_argument("--version", action="version", version=f"rljob-operator {__version__}")
     args = parser.parse_args(argv)
@@ -74,15 +75,86 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
-    kopf.run(
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=liveness,
-        standalone=not args.peering,
-        peering_name=args.peering or None,
-        priority=args.priority,
-    )
+
+    def run_controller() -> None:
+        kopf.run(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
+            standalone=not args.peering,
+            peering_name=args.peering or None,
+            priority=args.priority,
+        )
+
+    if args.leader_elect:
+        _run_elected(args, run_controller)
+    else:
+        run_controller()
     return 0
+
+
+def _add_leader_election_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("leader election (several replicas, one acts)")
+    group.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="hold a coordination.k8s.io Lease before acting; standby replicas wait for it",
+    )
+    group.add_argument(
+        "--leader-election-namespace",
+        default="",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else the in-cluster namespace)",
+    )
+    group.add_argument("--leader-election-id", default="rljob-operator", help="name of the Lease")
+    group.add_argument(
+        "--lease-duration-seconds",
+        type=int,
+        default=15,
+        help="how long a standby waits after the leader's last renewal before taking over",
+    )
+    group.add_argument(
+        "--renew-deadline-seconds",
+        type=float,
+        default=10.0,
+        help="the leader exits when it could not renew for this long (< lease duration)",
+    )
+    group.add_argument(
+        "--retry-period-seconds",
+        type=float,
+        default=2.0,
+        help="time between two attempts to acquire or renew",
+    )
+
+
+def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -> None:
+    """Stand by until this replica holds the Lease, then run the controller while renewing it."""
+    from rljob_operator.kube import Kube
+    from rljob_operator.leader import (
+        LeaderElector,
+        default_identity,
+        default_namespace,
+        serve_standby_health,
+    )
+
+    elector = LeaderElector(
+        Kube.connect(),
+        namespace=args.leader_election_namespace or default_namespace(),
+        name=args.leader_election_id,
+        identity=default_identity(),
+        lease_duration=args.lease_duration_seconds,
+        renew_deadline=args.renew_deadline_seconds,
+        retry_period=args.retry_period_seconds,
+    )
+    health = serve_standby_health(args.liveness_port) if args.liveness_port else None
+    elector.acquire()
+    if health is not None:  # kopf serves /healthz from here on
+        health.shutdown()
+        health.server_close()
+    elector.start_renewing()
+    try:
+        run_controller()
+    finally:
+        elector.release()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,105 @@
+{{/* Chart name, truncated to the 63 characters of a label value. */}}
+{{- define "rljob-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release full name: the release name alone when it already contains the chart name. */}}
+{{- define "rljob-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rljob-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rljob-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rljob-operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "rljob-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rljob-operator
+{{- end -}}
+
+{{- define "rljob-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "rljob-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Namespaces the operator watches in namespace scope (default: the release namespace). */}}
+{{- define "rljob-operator.watchNamespaces" -}}
+{{- $namespaces := .Values.watchNamespaces | default (list .Release.Namespace) -}}
+{{- toJson (uniq $namespaces) -}}
+{{- end -}}
+
+{{- define "rljob-operator.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the controller does to RLJobs and their children, and nothing more (read from observe.py,
+apply.py, handlers.py and what kopf itself calls):
+- rljobs: get (observe), list/watch (kopf), patch (kopf's finalizer and progress annotations),
+  delete (ttlSecondsAfterFinished deletes a finished job); status: patch; scale: patch.
+- pods: list/watch (observe, kopf's pod events), create+patch (server-side apply), delete.
+- services, configmaps, serviceaccounts, roles, rolebindings: list (observe by label),
+  create+patch (server-side apply); they go with the RLJob by garbage collection, never deleted here.
+  configmaps also watch (workers' progress reports wake the job's reconcile) and get: the workers'
+  Role grants configmaps get/patch, which the operator must hold itself (RBAC escalation
+  prevention).
+- secrets: get by name (the job's token), create+patch (server-side apply); never list or watch.
+- events: create (the operator's and kopf's Events).
+*/}}
+{{- define "rljob-operator.workloadRules" -}}
+- apiGroups: ["rljob.io"]
+  resources: ["rljobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: ["rljob.io"]
+  resources: ["rljobs/status", "rljobs/scale"]
+  verbs: ["patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "serviceaccounts"]
+  verbs: ["list", "create", "patch"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["list", "create", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
+
+{{/*
+Cluster-scoped reads, needed in both scopes:
+- nodes get: the pods of a NotReady node are replaced;
+- customresourcedefinitions list/watch: kopf follows CRDs so that an RLJob CRD installed or
+  changed after the operator started is noticed (without it kopf retries and logs 403 errors
+  for a minute at start, then never sees a CRD that appears later).
+*/}}
+{{- define "rljob-operator.clusterReadRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end -}}
