@@ -210,7 +210,6 @@ class Control(_Model):
     max_versions: int | None = Field(None, description="tightened staleness bound, if any")
 
 
-
 class Progress(_Model):
     """A worker's heartbeat: what it reports to the operator (one entry per process).
 
