@@ -153,6 +153,7 @@ def _save_model(out: Path, spec: TinyModelSpec) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    torch.nn.Module.float(model)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=ids[EOS_TOKEN],

@@ -4,9 +4,10 @@ Modes (fixed per process: vLLM caches its environment once the first engine is u
 
 * in-process (default, ``in_process=True``): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
   executor. Weight pushes hand ``(name, tensor)`` pairs straight to the model runner
-  (``reload_weights(weights_iterator=...)``). Measured on the 2-core dev box with the tiny model it
-  starts in about a third of the time of the multiprocess mode (no engine-core and worker
-  processes, each of which re-imports vllm) and a push takes ~0.1 s.
+  (``reload_weights(weights_iterator=...)``; a directory is read into pairs first). On the 2-core
+  dev box with the tiny model it started in ~50 s against ~280 s for the multiprocess mode (whose
+  engine-core and worker processes each re-import vllm), and a push takes ~0.1 s. Side effects on
+  the shared process (``torch.set_num_threads`` patched, global RNGs reseeded) are undone.
 * multiprocess (``in_process=False``): the engine core runs in child processes. Tensors never
   cross the RPC (that kills the engine): a state dict is first written as safetensors to a
   temporary directory and the workers reload from that path.
