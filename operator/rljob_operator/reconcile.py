@@ -23,6 +23,7 @@ from typing import Any
 
 from rljob_operator.api import RLJobSpec, SpecError, parse_rljob, resolve_topology
 from rljob_operator.builders import (
+    ANNOTATION_CONFIG_HASH,
     LABEL_INDEX,
     LABEL_ROLE,
     JobRef,
@@ -237,6 +238,8 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         o for o in desired if _missing(o, observed, pods_by_name, deleting, work.hold_roles)
     ]
     desired_pods = {o["metadata"]["name"] for o in desired if o["kind"] == "Pod"}
+    _controlled_restart(work, desired, pods_by_name, topology)
+    deleting = {d.name for d in work.delete}
     scaled = []
     for name, pod in sorted(pods_by_name.items()):
         if name not in desired_pods and name not in deleting and _pod_phase(pod) != "Terminating":
@@ -272,6 +275,53 @@ def _missing(
     if kind == "ConfigMap":
         return _differs(obj, observed.configmaps.get(name))
     return True
+
+
+def _controlled_restart(
+    work: _Pass,
+    desired: list[dict[str, Any]],
+    pods: dict[str, dict[str, Any]],
+    topology: Topology,
+) -> None:
+    """Roll out a config change that running workers cannot take live (see builders.restart_hash):
+    rollouts one at a time, and only while all the others are ready; the trainer group (or the
+    colocated gang) together, so ranks never mix configs. Live changes never get here."""
+    want = {
+        o["metadata"]["name"]: o["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
+        for o in desired
+        if o["kind"] == "Pod"
+    }
+    deleting = {d.name for d in work.delete}
+    stale: dict[str, list[str]] = {}
+    for name, pod in pods.items():
+        have = pod["metadata"].get("annotations", {}).get(ANNOTATION_CONFIG_HASH)
+        if (
+            name in want
+            and name not in deleting
+            and _pod_phase(pod) != "Terminating"
+            and have != want[name]
+        ):
+            stale.setdefault(_role(pod), []).append(name)
+    for role, names in sorted(stale.items()):
+        if role == "rollout":
+            peers = [p for n, p in pods.items() if _role(p) == "rollout" and n not in names]
+            if all(_pod_ready(p) for p in peers) and not any(
+                _pod_phase(p) == "Terminating" for p in pods.values() if _role(p) == "rollout"
+            ):
+                victim = sorted(names)[0]
+                work.delete.append(ObjectRef("v1", "Pod", victim))
+                work.events.append(EventSpec("Normal", "RollingRestart", f"{victim}: new config"))
+        else:
+            group = [
+                n for n, p in pods.items() if _role(p) == role and _pod_phase(p) != "Terminating"
+            ]
+            for name in sorted(group):
+                work.delete.append(ObjectRef("v1", "Pod", name))
+            work.events.append(
+                EventSpec(
+                    "Normal", "RollingRestart", f"restarting the {role} group for a new config"
+                )
+            )
 
 
 def _report_progress(

@@ -224,3 +224,30 @@ def test_resume_after_suspend_points_config_at_last_checkpoint() -> None:
     assert plan.status is not None and plan.status["phase"] == "Suspended"
     assert plan.status["lastCheckpoint"]["path"] == "/checkpoints/step-20"
     assert control_of(suspended, JobRef("dapo-disaggregated", "ns", "uid-1")).paused is False
+
+
+def test_live_config_change_updates_configmap_without_restarts() -> None:
+    observed = converged("dapo-disaggregated")
+    job = copy.deepcopy(observed.job)
+    job["spec"]["buffer"] = {"capacity": 128, "maxAgeSeconds": 600}
+    job["spec"]["staleness"] = {**job["spec"]["staleness"], "maxVersions": 1}
+    plan = reconcile(Observed(**{**observed.__dict__, "job": job}), now=NOW + 1)
+    assert plan.delete == ()
+    assert [o["kind"] for o in plan.apply] == ["ConfigMap"]
+    config = json.loads(plan.apply[0]["data"]["config.json"])
+    assert config["buffer"]["max_age_seconds"] == 600
+    assert config["staleness"]["max_versions"] == 1
+
+
+def test_restart_config_change_rolls_rollouts_one_at_a_time_and_trainers_together() -> None:
+    observed = converged("dapo-disaggregated")
+    job = copy.deepcopy(observed.job)
+    job["spec"]["algorithm"]["learningRate"] = 5e-5
+    plan = reconcile(Observed(**{**observed.__dict__, "job": job}), now=NOW + 1)
+    deleted = sorted(d.name for d in plan.delete)
+    assert deleted == [
+        "dapo-disaggregated-rollout-0",
+        "dapo-disaggregated-trainer-0",
+        "dapo-disaggregated-trainer-1",
+    ]
+    assert "RollingRestart" in [e.reason for e in plan.events]
