@@ -347,3 +347,54 @@ def test_suspend_resume_and_ttl(
         60,
         "TTL deleted the finished job",
     )
+
+
+def test_live_reconfiguration_without_restarts_and_controlled_restart(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(cluster, namespace, "cfg")
+    wait_for(lambda: running(cluster, namespace, "cfg", 4), 90, "job Running")
+    before = {
+        **uids(cluster, namespace, "cfg", "rollout"),
+        **uids(cluster, namespace, "cfg", "trainer"),
+    }
+    patch = {"spec": {"buffer": {"maxAgeSeconds": 600}, "staleness": {"maxVersions": 1}}}
+    cluster.kubectl(
+        "patch", "rljob", "cfg", "-n", namespace, "--type=merge", "-p", json.dumps(patch)
+    )
+    wait_for(
+        lambda: config_json(cluster, namespace, "cfg")["buffer"]["max_age_seconds"] == 600,
+        30,
+        "live change in the ConfigMap",
+    )
+    time.sleep(3)
+    after = {
+        **uids(cluster, namespace, "cfg", "rollout"),
+        **uids(cluster, namespace, "cfg", "trainer"),
+    }
+    assert after == before  # no pod restarted
+    cluster.kubectl(
+        "patch",
+        "rljob",
+        "cfg",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"algorithm":{"learningRate":0.00005}}}',
+    )
+    restart_operator(live_operator)
+
+    def all_replaced() -> bool:
+        now = {
+            **uids(cluster, namespace, "cfg", "rollout"),
+            **uids(cluster, namespace, "cfg", "trainer"),
+        }
+        return (
+            len(now) == 4
+            and not set(now.values()) & set(before.values())
+            and running(cluster, namespace, "cfg", 4)
+        )
+
+    wait_for(all_replaced, 120, "every pod rolled to the new config")
+    no_duplicates(cluster, namespace, "cfg")
