@@ -3,7 +3,8 @@
 Aspects under test:
 - a bad config fails before any work: the worker exits 2 at once with one line per problem,
   each naming the RLJob field to fix, and writes no metrics;
-- the disaggregated roles say they are not implemented yet;
+- disaggregated jobs: gae (a critic) is refused naming the field; the batch need not split
+  over the (elastic) rollouts, only over the trainers;
 - the runner renders a local config (loopback, free ports, paths in the work directory);
 - (slow) two actor processes train together over gloo: live progress, a final table, a JSON
   summary and PNG plots; every rank reports the same all-reduced reward and policy version;
@@ -106,11 +107,15 @@ def test_worker_missing_model_path_exits_before_any_work_naming_field(tmp_path):
     assert time.monotonic() - started < 120
 
 
-def test_worker_disaggregated_role_is_not_implemented_yet(tiny_model, tmp_path):
-    config = _config(tiny_model, topology="disaggregated", output_dir=str(tmp_path / "out"))
-    result = _run_worker(config, tmp_path, role="trainer")
-    assert result.returncode == 1
-    assert "disaggregated: RL workers II" in result.stderr
+def test_validate_worker_config_disaggregated_refuses_gae_not_rollout_counts(tiny_model):
+    ppo = AlgorithmConfig(name="ppo", advantage_estimator="gae", batch_size=4, mini_batch_size=4)
+    config = _config(tiny_model, topology="disaggregated", algorithm=ppo)
+    problems = validate_worker_config(config, ProcessEnv(role="trainer"))
+    assert [p.split(":", 1)[0] for p in problems] == ["spec.algorithm.advantageEstimator"]
+    grpo = _config(tiny_model, topology="disaggregated")
+    assert validate_worker_config(grpo, ProcessEnv(role="rollout", rank=2, world_size=3)) == []
+    problems = validate_worker_config(grpo, ProcessEnv(role="trainer", rank=0, world_size=3))
+    assert [p.split(":", 1)[0] for p in problems] == ["spec.algorithm.batchSize"]
 
 
 def test_localize_config_uses_loopback_free_ports_and_workdir(tiny_model, tmp_path):

@@ -342,8 +342,15 @@ def _follow(
     timeout_s: float | None,
     started: float,
 ) -> str | None:
-    """Poll until all children exit 0 (None) or one fails (its description)."""
-    display = children[0].spec.name
+    """Poll until the trainers (or actors) exit 0 (None) or one process fails (its description).
+
+    Rollouts serve until they are stopped, so they are not waited for: the runner stops them
+    (SIGTERM, after which they deliver what is pending and exit 0), as the operator does.
+    """
+    display = next(
+        (c.spec.name for c in children if c.spec.role == "trainer"), children[0].spec.name
+    )
+    finishers = [c for c in children if c.spec.role != "rollout"] or children
     while True:
         for child in children:
             for record in child.read_new_records():
@@ -354,7 +361,7 @@ def _follow(
             if code not in (None, 0):
                 tail = _log_tail(child.log_path)
                 return f"{child.spec.name} exited with code {code}; last log lines:\n{tail}"
-        if all(code == 0 for code in codes):
+        if all(child.process.poll() == 0 for child in finishers):
             return None
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             return f"timed out after {timeout_s:.0f} s"
@@ -378,6 +385,12 @@ def _finish(
     ok = failure is None and all(code == 0 for code in exit_codes.values())
     title = f"{config.job_name}: {config.algorithm.name} {config.topology}"
     plots = write_plots(records, root, title=title) if any(records.values()) else []
+    extra: dict[str, Any] = {}
+    if config.topology == "disaggregated" and any(records.values()):
+        from rljob_workers.disaggregated import summarize_disaggregated, write_disaggregated_plots
+
+        extra["disaggregated"] = summarize_disaggregated(records)
+        plots += write_disaggregated_plots(records, root, title=title)
     summary = {
         "job": config.job_name,
         "algorithm": config.algorithm.name,
@@ -389,10 +402,15 @@ def _finish(
         "exit_codes": exit_codes,
         "processes": summaries,
         "plots": [str(p) for p in plots],
+        **extra,
     }
     summary_path = root / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
     _print_report(summaries, title, ok, failure, root, out)
+    if "disaggregated" in extra:
+        from rljob_workers.disaggregated import format_disaggregated_summary
+
+        print(format_disaggregated_summary(extra["disaggregated"]), file=out, flush=True)
     return RunResult(
         ok=ok,
         workdir=root,

@@ -3,7 +3,8 @@
 Reads the process facts from the environment (``RLJOB_ROLE``, ``RLJOB_RANK``,
 ``RLJOB_WORLD_SIZE``, ``RLJOB_CONFIG``; see ``ProcessEnv``) and the job's ``WorkerConfig`` from
 the file ``RLJOB_CONFIG`` names, validates both before doing any work, then runs the role:
-``actor`` runs the colocated loop; ``rollout`` and ``trainer`` (disaggregated) are not here yet.
+``actor`` runs the colocated loop; ``rollout`` and ``trainer`` the disaggregated roles
+(``rljob_workers.disaggregated``).
 
 Exit codes: 0 done, 2 invalid configuration (one line per problem, each naming the RLJob field
 to fix), 1 any other failure.
@@ -124,7 +125,7 @@ def _check_algorithm(config: WorkerConfig, env: ProcessEnv) -> list[str]:
         problems.append("spec.algorithm.groupSize: must be >= 2 for group-relative advantages")
     if algo.dynamic_sampling and sampling.n < 2:
         problems.append("spec.rollout.sampling.n: dynamic sampling needs >= 2 responses per prompt")
-    if algo.batch_size % env.world_size:
+    if env.role != "rollout" and algo.batch_size % env.world_size:
         problems.append(
             f"spec.algorithm.batchSize: {algo.batch_size} prompts per step do not split over "
             f"{env.world_size} actors; use a multiple of {env.world_size}"
@@ -133,6 +134,11 @@ def _check_algorithm(config: WorkerConfig, env: ProcessEnv) -> list[str]:
         problems.append(
             f"spec.algorithm.miniBatchSize: {algo.mini_batch_size} must be in "
             f"[1, batchSize={algo.batch_size}]"
+        )
+    if config.topology == "disaggregated" and algo.advantage_estimator == "gae":
+        problems.append(
+            "spec.algorithm.advantageEstimator: gae needs a critic, which the disaggregated "
+            "trainer does not run; use grpo or dr-grpo (or topology colocated)"
         )
     if algo.ppo_epochs < 1:
         problems.append("spec.algorithm.ppoEpochs: must be >= 1")
@@ -201,15 +207,20 @@ def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
 
     Raises:
         ConfigError: before any work, when the config cannot run.
-        NotImplementedError: for the disaggregated roles.
     """
     problems = validate_worker_config(config, env)
     if problems:
         raise ConfigError(problems)
-    if env.role != "actor":
-        raise NotImplementedError("disaggregated: RL workers II")
     _seed_everything(config.seed + env.rank)
     _quiet_libraries()
+    if env.role == "rollout":
+        from rljob_workers.disaggregated import run_rollout
+
+        return run_rollout(config, env)
+    if env.role == "trainer":
+        from rljob_workers.disaggregated import run_trainer
+
+        return run_trainer(config, env)
     from rljob_workers.colocated import run_colocated
 
     return run_colocated(config, env)

@@ -1,0 +1,376 @@
+"""The ``rollout`` role of the disaggregated topology (see ``rljob_workers.disaggregated``).
+
+A rollout process, in a loop until SIGTERM:
+
+1. re-reads the live control (``control.json`` beside the config): paused → idle; throttled →
+   sleeps between batches so it generates at that fraction of its normal rate;
+2. picks up newer weights if the trainer published any (one cheap request);
+3. asks the trainer's control endpoint how far behind it is, and HOLDS BACK (long-polls for
+   newer weights instead of generating) when anything it generated now would be at least
+   ``max_versions`` behind — the tighter of the trainer's bound and the live control's;
+4. generates ``n`` responses for each prompt of its shard's next batch, scores them, and
+   streams them at-least-once: each trajectory carries a unique id
+   (``r<replica>.<boot id>-<group>-<sample>``; the boot id keeps a restarted replica's ids new),
+   its policy version, its creation time, the raw log-probs the engine sampled with, and
+   when this engine started serving that version (the trainer measures policy lag from it);
+5. reports progress.
+
+A rollout can join at any time: it starts from the trainer's current weights. It never blocks
+the trainer, and the trainer never waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import secrets
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from rljob_workers.algos import overlong_reward_penalty
+from rljob_workers.buffer import Trajectory
+from rljob_workers.colocated import MAX_MODEL_LEN, PromptSampler, TaskData, load_task_data
+from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
+from rljob_workers.disaggregated import (
+    ControlWatcher,
+    RoleReporter,
+    effective_max_versions,
+    finite_or_none,
+    must_hold,
+)
+from rljob_workers.engine import Completion, RolloutEngine, make_engine
+from rljob_workers.policy import DTYPES
+from rljob_workers.transport import ExperienceClient, token_from_env
+from rljob_workers.weightsync import WeightClient
+
+__all__ = ["RolloutWorker", "build_rollout_engine", "shard_prompts"]
+
+log = logging.getLogger(__name__)
+
+HOLD_WAIT_S = 2.0
+"""Long-poll for newer weights while held back (also bounds the reaction to SIGTERM)."""
+FLUSH_TIMEOUT_S = 5.0
+RETRY_S = 0.5
+MIN_THROTTLE = 0.05
+
+
+def shard_prompts(num_prompts: int, replica: int, replicas: int) -> list[int]:
+    """Prompt indices of rollout ``replica`` out of ``replicas`` (all of them when too few)."""
+    shard = [i for i in range(num_prompts) if i % max(1, replicas) == replica % max(1, replicas)]
+    return shard or list(range(num_prompts))
+
+
+def build_rollout_engine(config: WorkerConfig, *, seed: int) -> RolloutEngine:
+    """The configured engine on the job's model (vLLM in-process, or transformers)."""
+    model = config.model
+    if config.rollout.engine == "vllm":
+        raw = json.loads((Path(model.path) / "config.json").read_text())
+        context = min(int(raw.get("max_position_embeddings", MAX_MODEL_LEN)), MAX_MODEL_LEN)
+        return make_engine(
+            "vllm", model.path, seed=seed, in_process=True, dtype=model.dtype, max_model_len=context
+        )
+    return make_engine("hf", model.path, seed=seed, device=config.device, dtype=DTYPES[model.dtype])
+
+
+def _shaped_scores(config: WorkerConfig, rewards: list[float], lengths: list[int]) -> list[float]:
+    overlong = config.algorithm.overlong
+    if not overlong.enabled:
+        return list(rewards)
+    penalty = overlong_reward_penalty(
+        torch.tensor(lengths), max_len=overlong.max_length, cache_len=overlong.cache_length
+    )
+    return [r + float(p) for r, p in zip(rewards, penalty, strict=True)]
+
+
+class RolloutWorker:
+    """One rollout process (replica ``env.replica`` of ``env.world_size``).
+
+    Args:
+        config: the job's worker config.
+        env: role ``rollout``; ``replica`` and ``world_size`` choose the prompt shard.
+        engine: a ready engine (tests); default builds the configured one.
+        stop: set it to end the loop (SIGTERM sets it in a worker process).
+        clock: wall-clock seconds (trajectory creation and serving times).
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        env: ProcessEnv,
+        *,
+        engine: RolloutEngine | None = None,
+        stop: threading.Event | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.env = env
+        self.clock = clock
+        self.stop = stop or threading.Event()
+        self.incarnation = f"r{env.replica}.{secrets.token_hex(3)}"
+        token = env.token or token_from_env()
+        base = f"http://{config.endpoints.trainer_host}"
+        self.experience = ExperienceClient(f"{base}:{config.endpoints.experience_port}", token)
+        self.weights = WeightClient(f"{base}:{config.endpoints.weights_port}", token)
+        self.task: TaskData = load_task_data(config.task)
+        self.shard = shard_prompts(len(self.task.prompts), env.replica, env.world_size)
+        boot_seed = secrets.randbits(31)
+        self.sampler = PromptSampler(len(self.shard), seed=boot_seed)
+        self.prompts_per_batch = max(1, math.ceil(config.algorithm.batch_size / env.world_size))
+        self.engine = engine or build_rollout_engine(config, seed=boot_seed)
+        self.control = ControlWatcher.beside(env.config_path)
+        self.reporter = RoleReporter(config, env, heartbeat=True)
+        self.batches = 0
+        self.groups = 0
+        self.served_at = clock()
+        self.weights_latency_ms: float | None = None
+        self.join_trainer_version: int | None = None
+        self.first_generation_version: int | None = None
+        self.trainer_version: int | None = None
+        self.held_s = 0.0
+        self._rng = torch.Generator().manual_seed(boot_seed)
+        self._last_beat = -math.inf
+        self.records: list[dict[str, Any]] = []
+
+    # ----------------------------------------------------------------------------- loop
+
+    def run(self) -> list[dict[str, Any]]:
+        """Join, then generate until ``stop``; return the per-batch records."""
+        with _stop_on_sigterm(self.stop):
+            try:
+                self._join()
+                while not self.stop.is_set():
+                    self._iteration()
+            finally:
+                self._drain()
+                self.reporter.close()
+                self.experience.close()
+                self.engine.close()
+        return self.records
+
+    def _join(self) -> None:
+        """Wait for the trainer and load its current weights."""
+        while not self.stop.is_set():
+            try:
+                version = self.weights.latest_version()
+                if version is not None and self._load_latest(after=None, wait_s=0.0):
+                    self.join_trainer_version = version
+                    log.info(
+                        "%s joined: trainer at version %d, serving version %d",
+                        self.incarnation,
+                        version,
+                        self.engine.weights_version,
+                    )
+                    return
+            except ConnectionError as err:
+                log.debug("trainer not reachable yet: %s", err)
+            self._beat()
+            self.stop.wait(RETRY_S)
+
+    def _iteration(self) -> None:
+        control = self.control.poll()
+        if control.paused:
+            self._beat()
+            self.stop.wait(RETRY_S)
+            return
+        self._load_latest(after=self.engine.weights_version, wait_s=0.0)
+        if not self._may_generate(control):
+            return
+        started = time.perf_counter()
+        trajectories, tokens = self._generate()
+        generated = time.perf_counter()
+        self._deliver(trajectories)
+        self.batches += 1
+        self._record(trajectories, tokens, generated - started, time.perf_counter() - started)
+        throttle = min(1.0, max(MIN_THROTTLE, control.rollout_throttle))
+        if throttle < 1.0:
+            self.stop.wait((generated - started) * (1.0 / throttle - 1.0))
+
+    def _may_generate(self, control: Control) -> bool:
+        """Ask the trainer; hold back (waiting for newer weights) when too far behind."""
+        serving = self.engine.weights_version
+        try:
+            answer = self.experience.control(serving, timeout_s=FLUSH_TIMEOUT_S)
+        except TimeoutError as err:
+            log.warning("trainer unreachable: %s", err)
+            self._beat()
+            return False
+        self.trainer_version = answer.policy_version
+        if answer.policy_version < serving:
+            log.warning("trainer is back at version %d; reloading", answer.policy_version)
+            self._load_latest(after=None, wait_s=0.0)
+            return False
+        limit = effective_max_versions(answer.max_versions, control.max_versions)
+        if not must_hold(answer.policy_version, serving, limit):
+            return True
+        started = time.monotonic()
+        self._load_latest(after=serving, wait_s=HOLD_WAIT_S)
+        self.held_s += time.monotonic() - started
+        self._beat()
+        return False
+
+    def _load_latest(self, *, after: int | None, wait_s: float) -> bool:
+        """Load the trainer's latest weights if newer than ``after``; whether it loaded any."""
+        try:
+            received = self.weights.fetch_latest(after=after, wait_s=wait_s)
+        except ConnectionError as err:
+            log.debug("weights not reachable: %s", err)
+            return False
+        if received is None:
+            return False
+        self.engine.load_weights(received.version, received.named_tensors())
+        self.served_at = self.clock()
+        self.weights_latency_ms = (self.served_at - received.weights.published_at) * 1000.0
+        return True
+
+    # ------------------------------------------------------------------------ generation
+
+    def _generate(self) -> tuple[list[Trajectory], int]:
+        sampling = self.config.rollout.sampling
+        indices = [self.shard[i] for i in self.sampler.next_indices(self.prompts_per_batch)]
+        version = self.engine.weights_version
+        completions = self.engine.generate(
+            [self.task.prompts[i] for i in indices],
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng)),
+        )
+        if self.first_generation_version is None:
+            self.first_generation_version = version
+        created = self.clock()
+        trajectories: list[Trajectory] = []
+        for position, index in enumerate(indices):
+            group = completions[position * sampling.n : (position + 1) * sampling.n]
+            trajectories += self._group(group, self.task.answers[index], version, created)
+        return trajectories, sum(len(c.token_ids) for c in completions)
+
+    def _group(
+        self, completions: list[Completion], answer: str, version: int, created: float
+    ) -> list[Trajectory]:
+        group_id = f"{self.incarnation}-{self.groups}"
+        self.groups += 1
+        rewards = [float(self.task.reward(c.text, answer)) for c in completions]
+        scores = _shaped_scores(self.config, rewards, [len(c.token_ids) for c in completions])
+        return [
+            Trajectory(
+                id=f"{group_id}-{k}",
+                policy_version=version,
+                created_at=created,
+                prompt_ids=list(c.prompt_ids),
+                response_ids=list(c.token_ids),
+                behaviour_logprobs=list(c.logprobs),
+                reward=score,
+                group_id=group_id,
+                info={
+                    "rollout": self.incarnation,
+                    "served_at": self.served_at,
+                    "task_reward": reward,
+                    "truncated": c.finish_reason == "length",
+                },
+            )
+            for k, (c, reward, score) in enumerate(zip(completions, rewards, scores, strict=True))
+        ]
+
+    def _deliver(self, trajectories: list[Trajectory]) -> None:
+        """Submit and flush; while the trainer is unreachable keep retrying (nothing is lost)."""
+        for trajectory in trajectories:
+            self.experience.submit(trajectory)
+        while not self.stop.is_set():
+            try:
+                self.experience.flush(FLUSH_TIMEOUT_S)
+                return
+            except TimeoutError as err:
+                log.warning("delivery pending (%d unacked): %s", self.experience.pending, err)
+                self._beat()
+
+    def _drain(self) -> None:
+        """On the way out: one short last attempt to deliver what is still unacked."""
+        if self.experience.pending:
+            try:
+                self.experience.flush(1.0)
+            except (TimeoutError, OSError) as err:
+                log.warning("%d trajectories undelivered at exit: %s", self.experience.pending, err)
+
+    # ------------------------------------------------------------------------- reporting
+
+    def _record(
+        self, trajectories: list[Trajectory], tokens: int, generate_s: float, batch_s: float
+    ) -> None:
+        rewards = [float(t.info["task_reward"]) for t in trajectories]
+        version = trajectories[0].policy_version if trajectories else self.engine.weights_version
+        stats = self.experience.stats
+        record: dict[str, Any] = {
+            "step": self.batches,
+            "policy_version": version,
+            "trainer_version": self.trainer_version,
+            "policy_lag_versions": None
+            if self.trainer_version is None
+            else self.trainer_version - version,
+            "policy_lag_ms": self.weights_latency_ms,
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "samples": len(trajectories),
+            "tokens_per_s": tokens / max(generate_s, 1e-9),
+            "generate_time_s": generate_s,
+            "step_time_s": batch_s,
+            "held_s": self.held_s,
+            "acked": stats.acked,
+            "pending": self.experience.pending,
+            "retries": stats.retries,
+            "duplicates": stats.duplicates,
+            "incarnation": self.incarnation,
+            "join_trainer_version": self.join_trainer_version,
+            "first_generation_version": self.first_generation_version,
+            "time": time.time(),
+        }
+        self.records.append(record)
+        self.reporter.record(record)
+        self._beat(record)
+
+    def _beat(self, record: dict[str, Any] | None = None) -> None:
+        now = time.monotonic()
+        if record is None and now - self._last_beat < 2.0:
+            return
+        self._last_beat = now
+        last = record or (self.records[-1] if self.records else {})
+        self.reporter.beat(
+            Progress(
+                role="rollout",
+                replica=self.env.replica,
+                time=time.time(),
+                step=self.batches,
+                policy_version=self.engine.weights_version,
+                policy_lag_ms=self.weights_latency_ms,
+                policy_lag_versions=finite_or_none(last.get("policy_lag_versions")),
+                tokens_per_second=finite_or_none(last.get("tokens_per_s")),
+                reward_mean=finite_or_none(last.get("reward_mean")),
+            )
+        )
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
+    """Within the block, SIGTERM sets ``stop`` instead of killing the process (main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("SIGTERM: finishing the current batch and leaving")
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,695 @@
+"""The ``trainer`` role of the disaggregated topology (see ``rljob_workers.disaggregated``).
+
+One training step, on every rank of the trainer group:
+
+1. rank 0 assembles a batch of ``algorithm.batch_size`` whole groups from the experience buffer
+   (evicting what is more than ``max_versions`` behind or older than the age limits; with DAPO
+   dynamic sampling, groups without learning signal are dropped and more are awaited). It never
+   waits for a particular rollout; while the buffer is short it reports ``starving``;
+2. rank 0 broadcasts the batch (``broadcast_object_list``); rank ``r`` trains groups
+   ``r, r + T, ...``: proximal log-probs with the weights before the update, group-relative
+   advantages, ``ppo_epochs`` x minibatch updates with the configured off-policy correction
+   (behaviour = the rollouts' log-probs), gradients averaged by DDP with the configured
+   compression hook;
+3. the policy version is bumped; rank 0 publishes the weights over HTTP (compression per
+   ``weight_sync.compression``), announces the version to the experience server, accounts
+   the batch's staleness and the policy lag, checkpoints every ``checkpoint.every_steps``.
+
+A rank with no group in a minibatch steps with a zero-weight loss, so every rank runs the same
+number of DDP all-reduces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rljob_workers.algos import (
+    KL_ESTIMATORS,
+    aggregate_loss,
+    broadcast_advantages_to_tokens,
+    compute_dr_grpo_advantages,
+    compute_grpo_advantages,
+    masked_mean,
+)
+from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.checkpoint import (
+    CheckpointState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from rljob_workers.colocated import MAX_SAMPLING_ROUNDS
+from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
+from rljob_workers.ddp import init_process_group_from_env, wrap_ddp
+from rljob_workers.disaggregated import (
+    ControlWatcher,
+    RoleReporter,
+    StalenessAccounting,
+    corrected_policy_loss,
+    effective_max_versions,
+    finite_or_none,
+)
+from rljob_workers.policy import PolicyModel, SequenceBatch, build_sequence_batch
+from rljob_workers.transport import ExperienceServer, token_from_env
+from rljob_workers.weightsync import WeightServer
+
+__all__ = ["Learner", "TrainerWorker", "group_batch", "run_trainer_process", "serving_host"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+"""How often rank 0 looks at the buffer while assembling a batch."""
+SYNC_EVERY_S = 2.0
+"""Rank 0 tells the other ranks "no batch yet" at least this often (keeps collectives short)."""
+HEARTBEAT_EVERY_S = 2.0
+ACCOUNTING_EVERY_STEPS = 10
+ADAM_EPS = 1e-8
+
+Group = list[Trajectory]
+
+
+def group_batch(trajectories: Sequence[Trajectory], group_size: int) -> list[Group]:
+    """Split a ``take_groups`` result (contiguous groups) into its groups."""
+    return [list(trajectories[i : i + group_size]) for i in range(0, len(trajectories), group_size)]
+
+
+def _has_signal(group: Group) -> bool:
+    return len({t.reward for t in group}) > 1
+
+
+def _task_reward(trajectory: Trajectory) -> float:
+    value = trajectory.info.get("task_reward", trajectory.reward)
+    return float(value) if isinstance(value, int | float) else trajectory.reward
+
+
+def _pad_rows(rows: Sequence[Sequence[float]], width: int) -> Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        clipped = list(row[:width])
+        if clipped:
+            out[i, : len(clipped)] = torch.tensor(clipped, dtype=torch.float32)
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else float("nan")
+
+
+# ----------------------------------------------------------------------------------- learner
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Tensors of one rank's shard: ``B`` rows, ``T`` response tokens."""
+
+    batch: SequenceBatch
+    proximal_logp: Tensor
+    behaviour_logp: Tensor
+    advantages: Tensor
+    sequence_advantages: Tensor
+    reference_logp: Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return int(self.batch.input_ids.shape[0])
+
+
+class Learner:
+    """One rank's share of a training step: prepare its groups, run the corrected updates.
+
+    Args:
+        config: the job's worker config (algorithm and sampling settings).
+        policy: the policy whose weights are updated (and published by rank 0).
+        pad_id: the tokenizer's padding id.
+        train_module: what runs the forward pass (the DDP wrapper of ``policy``, or ``policy``).
+        reference: a frozen initial policy for the KL penalty, else None.
+        rank, world_size: this rank's shard is groups ``rank, rank + world_size, ...``.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        policy: PolicyModel,
+        *,
+        pad_id: int,
+        train_module: nn.Module | None = None,
+        reference: PolicyModel | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        algo = config.algorithm
+        if algo.advantage_estimator not in ("grpo", "dr-grpo"):
+            raise ValueError(
+                f"spec.algorithm.advantageEstimator: {algo.advantage_estimator} needs a critic, "
+                "which the disaggregated trainer does not run; use grpo or dr-grpo"
+            )
+        self.config = config
+        self.policy = policy
+        self.train_module: nn.Module = policy if train_module is None else train_module
+        self.reference = reference
+        self.pad_id = pad_id
+        self.rank = rank
+        self.world_size = world_size
+        self.group_size = config.rollout.sampling.n
+        self.minibatches = max(1, math.ceil(algo.batch_size / algo.mini_batch_size))
+        self.optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=algo.learning_rate, eps=ADAM_EPS, weight_decay=0.0
+        )
+        self._dummy = self._prepare_dummy()
+
+    def shard(self, groups: Sequence[Group]) -> list[Trajectory]:
+        """This rank's rows: every ``world_size``-th group starting at ``rank``."""
+        return [t for group in groups[self.rank :: self.world_size] for t in group]
+
+    @torch.no_grad()
+    def prepare(self, rows: Sequence[Trajectory]) -> _Prepared:
+        """Proximal log-probs (weights before the update), behaviour log-probs, advantages."""
+        batch = build_sequence_batch(
+            [t.prompt_ids for t in rows], [t.response_ids for t in rows], pad_id=self.pad_id
+        )
+        mask = batch.response_mask
+        self.policy.eval()
+        proximal = self.policy.logprobs(batch)
+        behaviour = _pad_rows([t.behaviour_logprobs for t in rows], mask.shape[1]) * mask
+        scores = torch.tensor([t.reward for t in rows], dtype=torch.float32)
+        estimate = (
+            compute_grpo_advantages(scores, group_size=self.group_size)
+            if self.config.algorithm.advantage_estimator == "grpo"
+            else compute_dr_grpo_advantages(scores, group_size=self.group_size)
+        )
+        reference = None if self.reference is None else self.reference.logprobs(batch)
+        advantages = broadcast_advantages_to_tokens(estimate, mask)
+        return _Prepared(batch, proximal, behaviour, advantages, estimate, reference)
+
+    def _prepare_dummy(self) -> _Prepared:
+        batch = build_sequence_batch([[self.pad_id]], [[self.pad_id]], pad_id=self.pad_id)
+        zeros = torch.zeros(1, 1)
+        return _Prepared(batch, zeros, zeros, zeros, torch.zeros(1), None)
+
+    def update(self, groups: Sequence[Group], *, seed: int) -> dict[str, float]:
+        """Train this rank's shard of ``groups``; return averaged metrics.
+
+        The result holds ``last_optimizer_step_wall`` (wall-clock seconds of the last
+        ``optimizer.step()``) besides the loss metrics.
+        """
+        rows = self.shard(groups)
+        prepared = self.prepare(rows) if rows else None
+        self.policy.train()
+        totals: dict[str, list[float]] = {}
+        last_step = time.time()
+        for _epoch in range(self.config.algorithm.ppo_epochs):
+            for chunk in self._minibatch_rows(len(rows), seed):
+                metrics = self._update_minibatch(prepared, chunk)
+                last_step = time.time()
+                for key, value in metrics.items():
+                    totals.setdefault(key, []).append(value)
+        self.policy.eval()
+        summary = {key: _mean(values) for key, values in totals.items()}
+        summary["last_optimizer_step_wall"] = last_step
+        if prepared is not None:
+            summary.update(self._batch_metrics(prepared))
+        return summary
+
+    def _batch_metrics(self, prepared: _Prepared) -> dict[str, float]:
+        mask = prepared.batch.response_mask
+        gap = (prepared.behaviour_logp - prepared.proximal_logp).abs()
+        variance = prepared.sequence_advantages.var() if prepared.rows > 1 else torch.tensor(0.0)
+        return {
+            "advantage_var": float(variance),
+            "behaviour_logprob_gap": float(masked_mean(gap, mask)),
+            "tokens": float(mask.sum()),
+        }
+
+    def _minibatch_rows(self, rows: int, seed: int) -> list[Tensor]:
+        """Row indices per minibatch, whole groups together, shuffled; some may be empty."""
+        groups = rows // self.group_size
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.randperm(groups, generator=generator)
+        chunks = torch.tensor_split(order, self.minibatches)
+        offsets = torch.arange(self.group_size)
+        return [(chunk.unsqueeze(1) * self.group_size + offsets).reshape(-1) for chunk in chunks]
+
+    def _update_minibatch(self, prepared: _Prepared | None, rows: Tensor) -> dict[str, float]:
+        """One optimizer step; an empty minibatch steps with a zero loss (DDP stays in step)."""
+        empty = prepared is None or rows.numel() == 0
+        source = self._dummy if empty or prepared is None else prepared
+        index = torch.zeros(1, dtype=torch.long) if empty else rows
+        batch = source.batch.rows(index)
+        mask = batch.response_mask * (0.0 if empty else 1.0)
+        algo = self.config.algorithm
+        logp, entropy = self.train_module(batch, with_entropy=True)
+        assert entropy is not None
+        per_token, loss_metrics = corrected_policy_loss(
+            algo,
+            logp,
+            source.proximal_logp[index],
+            source.behaviour_logp[index],
+            source.advantages[index],
+            mask,
+        )
+        loss = aggregate_loss(per_token, mask, algo.loss_aggregation)
+        entropy_mean = aggregate_loss(entropy, mask, "token-mean")
+        metrics = {"policy_loss": float(loss.detach()), "entropy": float(entropy_mean.detach())}
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * entropy_mean
+        if source.reference_logp is not None:
+            kl = KL_ESTIMATORS[algo.kl_estimator](logp, source.reference_logp[index])
+            kl_mean = aggregate_loss(kl, mask, algo.loss_aggregation)
+            loss = loss + algo.kl_coef * kl_mean
+            metrics["kl"] = float(kl_mean.detach())
+        else:
+            metrics["kl"] = loss_metrics["approx_kl"]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), algo.max_grad_norm)
+        self.optimizer.step()
+        if empty:
+            return {}
+        metrics["loss"] = float(loss.detach())
+        metrics["grad_norm"] = float(grad_norm)
+        for key in ("clip_fraction", "approx_kl", "is_weight_mean", "is_weight_max"):
+            if key in loss_metrics:
+                metrics[key] = loss_metrics[key]
+        if "is_weight_capped_fraction" in loss_metrics:
+            metrics["is_weight_capped_fraction"] = loss_metrics["is_weight_capped_fraction"]
+        return metrics
+
+
+# ---------------------------------------------------------------------------- the process
+
+
+def serving_host(trainer_host: str) -> str:
+    """Where rank 0's servers listen: loopback for a loopback job, every interface in a pod."""
+    return trainer_host if trainer_host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+
+
+class _Servers:
+    """Rank 0's experience buffer + server and weight server, with the live staleness bound."""
+
+    def __init__(self, config: WorkerConfig, env: ProcessEnv, *, version: int) -> None:
+        token = env.token or token_from_env()
+        host = serving_host(config.endpoints.trainer_host)
+        ages = [config.buffer.max_age_seconds, config.staleness.max_age_seconds]
+        max_age = min((a for a in ages if a is not None), default=None)
+        self.configured_max_versions = config.staleness.max_versions
+        self.buffer = ExperienceBuffer(
+            config.buffer.capacity,
+            max_staleness_versions=self.configured_max_versions,
+            max_age_seconds=max_age,
+        )
+        self.experience = ExperienceServer(
+            token,
+            self.buffer,
+            max_versions=self.configured_max_versions,
+            host=host,
+            port=config.endpoints.experience_port,
+        )
+        self.weights = WeightServer(
+            token, compression=config.weight_sync.compression, host=host,
+            port=config.endpoints.weights_port,
+        )  # fmt: skip
+        self.experience.set_policy_version(version)
+        self.control = ControlWatcher.beside(env.config_path)
+
+    def start(self) -> None:
+        self.experience.start()
+        self.weights.start()
+        log.info("experience on %s, weights on %s", self.experience.url, self.weights.url)
+
+    def apply_control(self) -> int | None:
+        """Apply a tightened ``max_versions`` from the live control; return the bound in force."""
+        limit = effective_max_versions(
+            self.configured_max_versions, self.control.poll().max_versions
+        )
+        with self.experience.locked():
+            self.buffer.max_staleness_versions = limit
+            self.experience.max_versions = limit
+        return limit
+
+    def close(self) -> None:
+        self.experience.close()
+        self.weights.close()
+
+
+class TrainerWorker:
+    """One trainer process: rank 0 also serves experience and weights and reports progress."""
+
+    def __init__(self, config: WorkerConfig, env: ProcessEnv) -> None:
+        self.config = config
+        self.env = env
+        self.distributed = env.world_size > 1
+        self.leader = env.rank == 0
+        model = config.model
+        self.policy = PolicyModel.from_pretrained(
+            model.path,
+            dtype=model.dtype,
+            device=config.device,
+            gradient_checkpointing=config.trainer.gradient_checkpointing,
+        )
+        train_module: nn.Module = self.policy
+        if self.distributed:
+            train_module = wrap_ddp(
+                self.policy,
+                config.trainer.gradient_compression,
+                gradient_checkpointing=config.trainer.gradient_checkpointing,
+            )
+        self.learner = Learner(
+            config,
+            self.policy,
+            pad_id=_pad_token_id(model.tokenizer_path or model.path),
+            train_module=train_module,
+            reference=_reference(config),
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+        self.step = 0
+        self.version = 0
+        self.last_checkpoint: str | None = None
+        self._resume()
+        self.accounting = StalenessAccounting(config.staleness.max_versions)
+        self.dropped: dict[str, int] = {"no_signal": 0}
+        self.servers: _Servers | None = None
+        self._assembling: list[Group] = []
+        self._no_signal: list[Group] = []
+        self._filtered = 0
+        self._starving = False
+        self._last_beat = -math.inf
+        self.reporter = RoleReporter(config, env, heartbeat=self.leader)
+        if self.leader:
+            self.servers = _Servers(config, env, version=self.version)
+            self._publish()
+            self.servers.start()
+
+    # ----------------------------------------------------------------------------- loop
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train until ``total_steps``; return this rank's step records."""
+        records = []
+        while self.step < self.config.total_steps:
+            record = self.train_step()
+            records.append(record)
+            self.reporter.record(record, dropped=record.get("dropped"))
+            log.info(_format_step(record, self.config.total_steps))
+            if self.leader:
+                self._beat(done=self.step >= self.config.total_steps)
+                if self.step % ACCOUNTING_EVERY_STEPS == 0:
+                    self._write_accounting()
+        if self.leader:
+            self._write_accounting()
+            self._beat(done=True)
+        return records
+
+    def train_step(self) -> dict[str, Any]:
+        """Wait for a batch, train on it, publish the new version; return the step record."""
+        started = time.perf_counter()
+        groups, waited_s, starving = self._next_batch()
+        trained_at = time.perf_counter()
+        flat = [t for group in groups for t in group]
+        current = self.version
+        behind, lags = self.accounting.record_trained(
+            flat, current_version=current, now=time.time()
+        )
+        metrics = self.learner.update(
+            groups, seed=(self.config.seed * 1_000_003 + self.step) % 2**31
+        )
+        stepped_wall = metrics.pop("last_optimizer_step_wall")
+        self.step += 1
+        self.version += 1
+        publish = self._publish(stepped_wall)
+        checkpoint = self._maybe_checkpoint()
+        finished = time.perf_counter()
+        record: dict[str, Any] = {
+            "step": self.step,
+            "policy_version": self.version,
+            "reward_mean": _mean([_task_reward(t) for t in flat]),
+            "score_mean": _mean([t.reward for t in flat]),
+            "groups": len(groups),
+            "samples": len(flat),
+            "policy_lag_ms": statistics.median(lags) if lags else None,
+            "lag_samples_ms": lags,
+            "policy_lag_versions": _mean([float(b) for b in behind]),
+            "policy_lag_versions_max": max(behind) if behind else None,
+            "staleness_histogram": {str(k): behind.count(k) for k in sorted(set(behind))},
+            "max_versions": self.accounting.max_versions,
+            "starving": starving,
+            "wait_s": waited_s,
+            "train_time_s": finished - trained_at,
+            "step_time_s": finished - started,
+            "tokens_per_s": metrics.get("tokens", 0.0) / max(finished - started, 1e-9),
+            "checkpoint": checkpoint,
+            "time": time.time(),
+            **publish,
+            **self._server_stats(),
+            **metrics,
+        }
+        return record
+
+    # ----------------------------------------------------------------------- batching
+
+    def _next_batch(self) -> tuple[list[Group], float, bool]:
+        """The step's groups on every rank: rank 0 assembles, then broadcasts."""
+        started = time.monotonic()
+        self._starving = False
+        while True:
+            payload = self._assemble(SYNC_EVERY_S) if self.leader else None
+            if self.distributed:
+                box: list[Any] = [(payload, self._starving, self.accounting.max_versions)]
+                dist.broadcast_object_list(box, src=0)
+                payload, self._starving, self.accounting.max_versions = box[0]
+            if payload is not None:
+                return payload, time.monotonic() - started, self._starving
+
+    def _assemble(self, budget_s: float) -> list[Group] | None:
+        """Rank 0: collect whole groups until a batch is complete or ``budget_s`` passed."""
+        assert self.servers is not None
+        deadline = time.monotonic() + budget_s
+        size = self.config.algorithm.batch_size
+        while True:
+            self.accounting.max_versions = self.servers.apply_control()
+            self._take_groups(size - len(self._assembling))
+            batch = self._complete_batch(size)
+            if batch is not None:
+                return batch
+            self._starving = True
+            if time.monotonic() - self._last_beat >= HEARTBEAT_EVERY_S:
+                self._beat(done=False)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_S)
+
+    def _take_groups(self, wanted: int) -> None:
+        assert self.servers is not None
+        n = self.config.rollout.sampling.n
+        with self.servers.experience.locked():
+            taken = self.servers.buffer.take_groups(
+                wanted, n, current_version=self.version, now=time.time()
+            )
+        for group in group_batch(taken, n):
+            if not self.config.algorithm.dynamic_sampling or _has_signal(group):
+                self._assembling.append(group)
+            else:
+                self._no_signal = [*self._no_signal, group][-self.config.algorithm.batch_size :]
+                self._filtered += 1
+                self.dropped["no_signal"] += len(group)
+
+    def _complete_batch(self, size: int) -> list[Group] | None:
+        """The batch when it is full, or DAPO's fallback after too many filtered groups."""
+        limit = (MAX_SAMPLING_ROUNDS - 1) * size
+        if len(self._assembling) < size and not (
+            self._filtered >= limit and (self._assembling or self._no_signal)
+        ):
+            return None
+        batch = self._assembling[:size]
+        if not batch:
+            batch = self._no_signal
+            self.dropped["no_signal"] -= sum(len(group) for group in batch)
+        self._assembling = self._assembling[size:]
+        self._no_signal, self._filtered = [], 0
+        return batch
+
+    # ------------------------------------------------------------------ weights, state
+
+    def _publish(self, stepped_wall: float | None = None) -> dict[str, Any]:
+        """Rank 0: publish the weights as ``self.version`` and announce the version."""
+        if self.servers is None:
+            return {}
+        started = time.perf_counter()
+        report = self.servers.weights.publish(self.version, dict(self.policy.named_weights()))
+        self.servers.experience.set_policy_version(self.version)
+        if stepped_wall is not None:
+            self.accounting.record_optimizer_step(self.version, stepped_wall)
+        return {
+            "publish_ms": (time.perf_counter() - started) * 1000.0,
+            "weights_wire_bytes": report.wire_bytes,
+        }
+
+    def _server_stats(self) -> dict[str, Any]:
+        if self.servers is None:
+            return {}
+        stats = self.servers.experience.stats
+        with self.servers.experience.locked():
+            buffered = len(self.servers.buffer)
+            age = self.servers.buffer.oldest_age(time.time())
+            dropped = {**self.servers.buffer.dropped, **self.dropped}
+        dropped["duplicate"] = dropped.get("duplicate", 0) + stats.duplicates
+        return {
+            "buffer_size": buffered,
+            "buffer_age_s": age,
+            "dropped": dropped,
+            "accepted": stats.accepted,
+            "duplicates": stats.duplicates,
+        }
+
+    def _maybe_checkpoint(self) -> str | None:
+        every = self.config.checkpoint.every_steps
+        if every <= 0 or (self.step % every and self.step != self.config.total_steps):
+            return None
+        path: Path | None = None
+        if self.leader:
+            path = save_checkpoint(
+                self.config.checkpoint.dir,
+                CheckpointState(
+                    step=self.step,
+                    policy_version=self.version,
+                    extra={"job": self.config.job_name, "role": "trainer"},
+                ),
+                modules={"policy": self.policy},
+                optimizers={"policy": self.learner.optimizer},
+                keep=self.config.checkpoint.keep,
+            )
+            self.last_checkpoint = str(path)
+        if self.distributed:
+            dist.barrier()
+        return None if path is None else str(path)
+
+    def _resume(self) -> None:
+        chosen = self.config.checkpoint.resume_from
+        if chosen is None and self.config.checkpoint.resume:
+            found = latest_checkpoint(self.config.checkpoint.dir)
+            chosen = None if found is None else str(found)
+        if chosen is None:
+            return
+        state = load_checkpoint(
+            chosen, modules={"policy": self.policy}, optimizers={"policy": self.learner.optimizer}
+        )
+        self.step, self.version = state.step, state.policy_version
+        self.last_checkpoint = chosen
+        log.info("resumed from %s at step %d (version %d)", chosen, self.step, self.version)
+
+    def _write_accounting(self) -> None:
+        assert self.servers is not None
+        stats = self.servers.experience.stats
+        self.accounting.write(
+            self.config.output_dir,
+            step=self.step,
+            policy_version=self.version,
+            dropped=self._server_stats()["dropped"],
+            server={
+                "accepted": stats.accepted,
+                "duplicates": stats.duplicates,
+                "dropped_on_arrival": stats.dropped,
+                "batches": stats.batches,
+            },
+        )
+
+    def _beat(self, *, done: bool) -> None:
+        self._last_beat = time.monotonic()
+        stats = self._server_stats()
+        lags = self.accounting.lag_samples_ms[-32:]
+        histogram = self.accounting.histogram
+        behind = sum(k * v for k, v in histogram.items()) / max(1, sum(histogram.values()))
+        self.reporter.beat(
+            Progress(
+                role="trainer",
+                replica=self.env.replica,
+                time=time.time(),
+                step=self.step,
+                policy_version=self.version,
+                policy_lag_ms=statistics.median(lags) if lags else None,
+                policy_lag_versions=behind if histogram else None,
+                buffer_age_seconds=finite_or_none(stats.get("buffer_age_s")),
+                dropped=stats.get("dropped", {}),
+                last_checkpoint=self.last_checkpoint,
+                starving=self._starving,
+                done=done,
+            )
+        )
+
+    def close(self) -> None:
+        """Stop the servers and the metrics endpoint."""
+        if self.servers is not None:
+            self.servers.close()
+        self.reporter.close()
+
+
+def _format_step(record: dict[str, Any], total_steps: int) -> str:
+    lag = record.get("policy_lag_ms")
+    return (
+        f"step {record['step']}/{total_steps} v{record['policy_version']} reward "
+        f"{record['reward_mean']:.3f} behind {record['policy_lag_versions']:.2f} "
+        f"(max {record['policy_lag_versions_max']}) lag "
+        f"{'-' if lag is None else f'{lag:.0f} ms'} wait {record['wait_s']:.2f} s "
+        f"step {record['step_time_s']:.2f} s"
+    )
+
+
+def _pad_token_id(tokenizer_path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
+
+
+def _reference(config: WorkerConfig) -> PolicyModel | None:
+    if config.algorithm.kl_coef <= 0:
+        return None
+    reference = PolicyModel.from_pretrained(
+        config.model.path, dtype=config.model.dtype, device=config.device
+    )
+    reference.requires_grad_(False)
+    reference.eval()
+    return reference
+
+
+@contextlib.contextmanager
+def _trainer_group(config: WorkerConfig, env: ProcessEnv) -> Iterator[None]:
+    """Join (and finally leave) the trainer group when there is more than one trainer."""
+    if env.world_size <= 1:
+        yield
+        return
+    init_process_group_from_env(
+        "nccl" if config.device == "cuda" else "gloo",
+        env={
+            "MASTER_ADDR": config.endpoints.trainer_host,
+            "MASTER_PORT": str(config.endpoints.rendezvous_port),
+            "RANK": str(env.rank),
+            "WORLD_SIZE": str(env.world_size),
+        },
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_trainer_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
+    """The trainer process: join the group, build, resume, train, report; return the records."""
+    with _trainer_group(config, env):
+        worker = TrainerWorker(config, env)
+        try:
+            return worker.run()
+        finally:
+            worker.close()
