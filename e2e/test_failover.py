@@ -398,3 +398,25 @@ def test_live_reconfiguration_without_restarts_and_controlled_restart(
 
     wait_for(all_replaced, 120, "every pod rolled to the new config")
     no_duplicates(cluster, namespace, "cfg")
+
+
+def test_gang_scheduling_pod_group_with_and_without_the_api(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(cluster, namespace, "nogang", example="grpo-colocated", scheduling={"gang": True})
+    wait_for(lambda: running(cluster, namespace, "nogang", 2), 90, "pods created without the API")
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector=involvedObject.name=nogang"
+    ).stdout
+    assert "PodGroupUnavailable" in events
+    cluster.kubectl("apply", "-f", str(REPO / "e2e" / "fixtures" / "podgroup-crd-standin.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/podgroups.scheduling.x-k8s.io")
+    submit(cluster, namespace, "gang", scheduling={"gang": True})
+    wait_for(lambda: running(cluster, namespace, "gang", 4), 90, "gang job Running")
+    group = get_json(cluster, "podgroups.scheduling.x-k8s.io", "gang", "-n", namespace)
+    assert group["spec"]["minMember"] == 4
+    labels = {
+        p["metadata"]["labels"].get("scheduling.x-k8s.io/pod-group")
+        for p in pods(cluster, namespace, "gang")
+    }
+    assert labels == {"gang"}

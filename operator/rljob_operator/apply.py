@@ -11,7 +11,7 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.api import GROUP, VERSION
 from rljob_operator.kube import Kube
-from rljob_operator.reconcile import TOKEN_PLACEHOLDER, EventSpec, Plan
+from rljob_operator.reconcile import GANG_UNAVAILABLE, TOKEN_PLACEHOLDER, EventSpec, Plan
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,12 @@ def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
     for obj in plan.apply:
         if obj["kind"] == "Secret":
             obj = _with_generated_token(obj)
-        kube.server_side_apply(obj)
+        try:
+            kube.server_side_apply(obj)
+        except ApiException as exc:
+            if obj["kind"] != "PodGroup" or exc.status != 404:
+                raise
+            apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
     if plan.status is not None:
         kube.merge_patch(
             f"{GROUP}/{VERSION}",

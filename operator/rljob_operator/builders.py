@@ -352,6 +352,48 @@ def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
     return [account, role, binding]
 
 
+VOLCANO = "volcano"
+PODGROUP_API = {
+    VOLCANO: "scheduling.volcano.sh/v1beta1",
+    "scheduler-plugins": "scheduling.x-k8s.io/v1alpha1",
+}
+
+
+def gang_flavour(spec: RLJobSpec) -> str:
+    """Which PodGroup API gang scheduling uses: Volcano's when the pods go to Volcano, else the
+    scheduler-plugins coscheduling PodGroup."""
+    return VOLCANO if spec.scheduling.scheduler_name == VOLCANO else "scheduler-plugins"
+
+
+def build_pod_group(spec: RLJobSpec, job: JobRef, topology: Topology) -> dict[str, Any]:
+    """A PodGroup asking the scheduler to place all the job's pods together or none of them."""
+    total = sum(role_replicas(spec, r) for r in roles_for(topology))
+    flavour = gang_flavour(spec)
+    group_spec: dict[str, Any] = {"minMember": total}
+    if flavour == VOLCANO:
+        if spec.scheduling.queue:
+            group_spec["queue"] = spec.scheduling.queue
+        if spec.scheduling.priority_class_name:
+            group_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    else:
+        group_spec["scheduleTimeoutSeconds"] = 300
+    return {
+        "apiVersion": PODGROUP_API[flavour],
+        "kind": "PodGroup",
+        "metadata": _metadata(job, job.name),
+        "spec": group_spec,
+    }
+
+
+def _gang_metadata(spec: RLJobSpec, job: JobRef, meta: dict[str, Any]) -> None:
+    if not spec.scheduling.gang:
+        return
+    if gang_flavour(spec) == VOLCANO:
+        meta["annotations"]["scheduling.k8s.io/group-name"] = job.name
+    else:
+        meta["labels"]["scheduling.x-k8s.io/pod-group"] = job.name
+
+
 def build_headless_service(job: JobRef, role: Role) -> dict[str, Any]:
     """Headless Service giving each pod of a role a stable DNS name."""
     return {
@@ -386,6 +428,7 @@ def build_pod(
         ANNOTATION_RESTART_EPOCH: str(restart_epoch),
     }
     meta["labels"].update(_queue_labels(spec, job))
+    _gang_metadata(spec, job, meta)
     if spec.scheduling.queue:
         meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] = str(
             sum(role_replicas(spec, r) for r in roles_for(topology))
@@ -542,6 +585,8 @@ def build_children(
     objects += [build_token_secret(ref, token), *build_worker_rbac(ref)]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
+    if spec.scheduling.gang:
+        objects.append(build_pod_group(spec, ref, topology))
     if not spec.suspend:
         for role in roles:
             for i in range(role_replicas(spec, role)):

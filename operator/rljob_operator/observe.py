@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
 from rljob_operator.api import GROUP, VERSION
-from rljob_operator.builders import LABEL_JOB
+from rljob_operator.builders import LABEL_JOB, PODGROUP_API, VOLCANO
 from rljob_operator.kube import Kube
 from rljob_operator.reconcile import Observed
 
@@ -26,6 +30,11 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
     for kind in ("Role", "RoleBinding"):
         items = kube.list("rbac.authorization.k8s.io/v1", kind, namespace, selector)
         present |= {(kind, i["metadata"]["name"]) for i in items}
+    gang_api = True
+    if job.get("spec", {}).get("scheduling", {}).get("gang"):
+        groups = observe_pod_groups(kube, job, namespace, selector)
+        gang_api = groups is not None
+        present |= {("PodGroup", n) for n in groups or ()}
     node_names = {p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName")}
     nodes = {n: observe_node_ready(kube, n) for n in sorted(node_names)}
     return Observed(
@@ -35,8 +44,23 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         configmaps={c["metadata"]["name"]: c for c in configmaps},
         secrets=frozenset([token["metadata"]["name"]] if token else []),
         present=frozenset(present),
+        gang_api=gang_api,
         nodes_ready=nodes,
     )
+
+
+def observe_pod_groups(
+    kube: Kube, job: dict[str, Any], namespace: str, selector: str
+) -> set[str] | None:
+    """Names of the job's PodGroups; None when the PodGroup API is not installed."""
+    scheduler = job["spec"].get("scheduling", {}).get("schedulerName")
+    api = PODGROUP_API[VOLCANO if scheduler == VOLCANO else "scheduler-plugins"]
+    try:
+        return {g["metadata"]["name"] for g in kube.list(api, "PodGroup", namespace, selector)}
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def observe_node_ready(kube: Kube, name: str) -> bool:

@@ -37,7 +37,7 @@ from rljob_operator.builders import (
 from rljob_workers.config import CONTROL_KEY, Control, Progress
 
 TOKEN_PLACEHOLDER = "__generated__"
-RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding")
+RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "PodGroup")
 CONDITION_TYPES = (
     "Created",
     "Running",
@@ -48,6 +48,10 @@ CONDITION_TYPES = (
     "Failed",
 )
 FINISHED = ("Succeeded", "Failed")
+GANG_UNAVAILABLE = (
+    "spec.scheduling.gang: no PodGroup API (Volcano or scheduler-plugins coscheduling) is "
+    "installed; pods are created without gang scheduling. Install one, or set gang: false"
+)
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,9 @@ class Observed:
     services: frozenset[str] = frozenset()
     configmaps: dict[str, dict[str, Any]] = field(default_factory=dict)
     secrets: frozenset[str] = frozenset()
-    present: frozenset[tuple[str, str]] = frozenset()  # (kind, name) of RBAC objects
+    present: frozenset[tuple[str, str]] = frozenset()  # (kind, name): RBAC objects, PodGroup
     nodes_ready: dict[str, bool] = field(default_factory=dict)
+    gang_api: bool = True  # False: the PodGroup API (Volcano / scheduler-plugins) is not installed
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,8 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     created = [o["metadata"]["name"] for o in to_apply if o["kind"] == "Pod"]
     if created:
         work.events.append(EventSpec("Normal", "CreatedPods", f"created {', '.join(created)}"))
+        if spec.scheduling.gang and not observed.gang_api:
+            work.events.append(EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
     return _plan(work, tuple(to_apply), key, old, generation, now, spec, topology, observed)
 
 
@@ -270,6 +277,8 @@ def _missing(
         return name not in observed.services
     if kind == "Secret":
         return name not in observed.secrets
+    if kind == "PodGroup" and not observed.gang_api:
+        return False
     if kind in RBAC_KINDS:
         return (kind, name) not in observed.present
     if kind == "ConfigMap":

@@ -152,3 +152,23 @@ def test_build_children_worker_role_allows_only_own_progress_configmap() -> None
     ]
     pods = [o for o in objs if o["kind"] == "Pod"]
     assert {p["spec"]["serviceAccountName"] for p in pods} == {"demo-worker"}
+
+
+def test_build_children_gang_adds_pod_group_and_pod_labels() -> None:
+    job = load_example("dapo-disaggregated", scheduling={"gang": True})
+    objs = build_children(job, REF, "disaggregated", token="T", restart_epochs={})
+    group = next(o for o in objs if o["kind"] == "PodGroup")
+    assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert group["spec"]["minMember"] == 4
+    pods = [o for o in objs if o["kind"] == "Pod"]
+    assert {p["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] for p in pods} == {"demo"}
+    volcano = load_example(
+        "dapo-disaggregated", scheduling={"gang": True, "schedulerName": "volcano", "queue": "rl"}
+    )
+    objs = build_children(volcano, REF, "disaggregated", token="T", restart_epochs={})
+    group = next(o for o in objs if o["kind"] == "PodGroup")
+    assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1"
+    assert group["spec"] == {"minMember": 4, "queue": "rl"}
+    pod = next(o for o in objs if o["kind"] == "Pod")
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "demo"
+    assert pod["spec"]["schedulerName"] == "volcano"
