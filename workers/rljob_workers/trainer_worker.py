@@ -317,9 +317,11 @@ class _Servers:
             port=config.endpoints.experience_port,
         )
         self.weights = WeightServer(
-            token, compression=config.weight_sync.compression, host=host,
+            token,
+            compression=config.weight_sync.compression,
+            host=host,
             port=config.endpoints.weights_port,
-        )  # fmt: skip
+        )
         self.experience.set_policy_version(version)
         self.control = ControlWatcher.beside(env.config_path)
 
@@ -398,21 +400,27 @@ class TrainerWorker:
         """Train until ``total_steps``; return this rank's step records."""
         records = []
         while self.step < self.config.total_steps:
-            record = self.train_step()
-            records.append(record)
-            self.reporter.record(record, dropped=record.get("dropped"))
-            log.info(_format_step(record, self.config.total_steps))
-            if self.leader:
-                self._beat(done=self.step >= self.config.total_steps)
-                if self.step % ACCOUNTING_EVERY_STEPS == 0:
-                    self._write_accounting()
-        if self.leader:
-            self._write_accounting()
-            self._beat(done=True)
+            records.append(self.train_step())
+        self.report_progress(done=True)
         return records
 
+    def report_progress(self, *, done: bool) -> None:
+        """Rank 0: heartbeat to the operator; the accounting file every few steps and at the end."""
+        if not self.leader:
+            return
+        self._beat(done=done)
+        if done or self.step % ACCOUNTING_EVERY_STEPS == 0:
+            self._write_accounting()
+
     def train_step(self) -> dict[str, Any]:
-        """Wait for a batch, train on it, publish the new version; return the step record."""
+        """Wait for a batch, train on it, publish the new version, report; return the record."""
+        record = self._train_step()
+        self.reporter.record(record, dropped=record.get("dropped"))
+        log.info(_format_step(record, self.config.total_steps))
+        self.report_progress(done=self.step >= self.config.total_steps)
+        return record
+
+    def _train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
         groups, waited_s, starving = self._next_batch()
         trained_at = time.perf_counter()

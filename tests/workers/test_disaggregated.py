@@ -1,0 +1,283 @@
+"""The disaggregated topology: rollout and trainer processes running asynchronously.
+
+Aspects under test:
+- off-policy correction: the trainer weights each token by the rollout's behaviour log-probs
+  (TIS truncates the weight at its cap, decoupled PPO does not, plain PPO clip has none), so a
+  stale or mismatched behaviour policy changes the update the way the algorithm says;
+- the hold rule and the live control: a rollout holds back at the staleness bound, a
+  tightened ``max_versions`` in ``control.json`` takes effect, a malformed file is ignored;
+- the trainer's own accounting (in process, real experience server over loopback): with
+  ``maxVersions = k`` nothing more than k versions behind is trained on, what arrives too stale
+  is dropped and counted by reason in the step record, the Progress heartbeat and Prometheus;
+  a re-sent batch is de-duplicated, never trained twice;
+- (slow) ``--local`` DAPO with 2 rollout and 2 trainer processes (gloo DDP, bf16 gradient
+  compression, bf16 weight sync, TIS) learns the copy task from the random-policy baseline to
+  a stated threshold; the report holds the staleness histogram (bounded by k), the policy-lag
+  samples and the lag/staleness histogram PNG;
+- (slow) fault tolerance: a rollout killed mid-run does not stop training; no trajectory is
+  trained twice; a replacement rollout joins with the trainer's current weights (its first
+  generation uses a version >= the trainer's version when it joined); a straggler's stale
+  groups are dropped and exported as ``stale_version`` on the trainer's ``/metrics``;
+- (slow) the real engine: ``rljob run --local`` of the DAPO example with vLLM rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from rljob_workers.buffer import Trajectory
+from rljob_workers.config import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    Control,
+    Endpoints,
+    ModelConfig,
+    ProcessEnv,
+    RolloutConfig,
+    SamplingConfig,
+    StalenessConfig,
+    TaskConfig,
+    WeightSyncConfig,
+    WorkerConfig,
+)
+from rljob_workers.disaggregated import (
+    ACCOUNTING_FILE,
+    ControlWatcher,
+    StalenessAccounting,
+    must_hold,
+)
+from rljob_workers.engine import make_engine
+from rljob_workers.policy import PolicyModel
+from rljob_workers.tinymodel import build_tiny_model, build_tokenizer
+from rljob_workers.trainer_worker import Learner, TrainerWorker
+from rljob_workers.transport import ExperienceClient
+
+WORKERS_ROOT = Path(__file__).resolve().parents[2] / "workers"
+TOKEN = "test-token"
+
+LEARNING_STEPS = 100
+LEARNING_THRESHOLD = 0.3
+"""Mean task reward of the trainer's last 10 steps; the random policy scores about 0.01."""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-model", seed=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _config(model, tmp_path: Path, **overrides) -> WorkerConfig:
+    algorithm = AlgorithmConfig(
+        name="dapo",
+        advantage_estimator="grpo",
+        policy_loss=overrides.pop("policy_loss", "tis"),
+        clip_high=0.28,
+        learning_rate=5e-3,
+        group_size=4,
+        batch_size=overrides.pop("batch_size", 4),
+        mini_batch_size=overrides.pop("batch_size_mini", 4),
+        dynamic_sampling=overrides.pop("dynamic_sampling", True),
+    )
+    values = {
+        "job_name": "disagg-test",
+        "topology": "disaggregated",
+        "algorithm": algorithm,
+        "model": ModelConfig(path=str(model)),
+        "task": TaskConfig(builtin="copy", num_prompts=64),
+        "rollout": RolloutConfig(engine="hf", sampling=SamplingConfig(n=4, max_tokens=2)),
+        "staleness": StalenessConfig(max_versions=1, correction="tis", max_policy_lag_ms=10_000),
+        "weight_sync": WeightSyncConfig(method="http", compression="bf16"),
+        "checkpoint": CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=0),
+        "endpoints": Endpoints(
+            experience_port=_free_port(),
+            weights_port=_free_port(),
+            rendezvous_port=_free_port(),
+            metrics_port=0,
+        ),
+        "output_dir": str(tmp_path),
+        "total_steps": 3,
+    }
+    values.update(overrides)
+    return WorkerConfig(**values)
+
+
+# ------------------------------------------------------------------- off-policy correction
+
+
+def _sampled_groups(model, *, groups: int, n: int) -> list[list[Trajectory]]:
+    """Groups sampled by an engine serving the initial weights, rewards 0/1 alternating."""
+    engine = make_engine("hf", model, seed=3)
+    completions = engine.generate(["copy:3=", "copy:8="][:groups], n=n, max_tokens=3, seed=5)
+    batch = []
+    for g in range(groups):
+        batch.append(
+            [
+                Trajectory(
+                    id=f"g{g}-{k}",
+                    policy_version=0,
+                    created_at=0.0,
+                    prompt_ids=c.prompt_ids,
+                    response_ids=c.token_ids,
+                    behaviour_logprobs=c.logprobs,
+                    reward=float(k % 2),
+                    group_id=f"g{g}",
+                )
+                for k, c in enumerate(completions[g * n : (g + 1) * n])
+            ]
+        )
+    return batch
+
+
+def _shift_behaviour(groups, delta: float) -> list[list[Trajectory]]:
+    return [
+        [replace(t, behaviour_logprobs=[lp + delta for lp in t.behaviour_logprobs]) for t in group]
+        for group in groups
+    ]
+
+
+def _first_update(model, tmp_path, groups, policy_loss: str) -> dict[str, float]:
+    config = _config(model, tmp_path, policy_loss=policy_loss, batch_size=2, batch_size_mini=2)
+    learner = Learner(config, PolicyModel.from_pretrained(model), pad_id=0)
+    return learner.update(groups, seed=0)
+
+
+def test_learner_importance_weight_comes_from_rollout_behaviour_logprobs(tiny_model, tmp_path):
+    groups = _sampled_groups(tiny_model, groups=2, n=4)
+    same = _first_update(tiny_model, tmp_path, groups, "tis")
+    assert same["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert same["behaviour_logprob_gap"] < 1e-4
+
+    stale = _shift_behaviour(groups, -math.log(3.0))
+    tis = _first_update(tiny_model, tmp_path, stale, "tis")
+    assert tis["behaviour_logprob_gap"] == pytest.approx(math.log(3.0), abs=1e-3)
+    assert tis["is_weight_mean"] == pytest.approx(2.0, abs=1e-4)
+    assert tis["is_weight_capped_fraction"] == 1.0
+
+    decoupled = _first_update(tiny_model, tmp_path, stale, "decoupled-ppo")
+    assert decoupled["is_weight_mean"] == pytest.approx(3.0, rel=1e-3)
+    assert decoupled["is_weight_capped_fraction"] == 0.0
+
+    plain = _first_update(tiny_model, tmp_path, stale, "ppo-clip")
+    assert "is_weight_mean" not in plain
+
+
+# ------------------------------------------------------------------------- hold + control
+
+
+@pytest.mark.parametrize(
+    ("trainer", "rollout", "bound", "hold"),
+    [(5, 5, 1, False), (6, 5, 1, True), (6, 5, 2, False), (7, 5, 2, True), (9, 0, None, False)],
+)
+def test_must_hold_generating_now_would_reach_the_bound_holds(trainer, rollout, bound, hold):
+    assert must_hold(trainer, rollout, bound) is hold
+
+
+def test_control_watcher_tightened_bound_applies_and_bad_file_is_ignored(tmp_path):
+    watcher = ControlWatcher.beside(tmp_path / "config.json", interval_s=0.0)
+    assert watcher.poll() == Control()
+    (tmp_path / "control.json").write_text('{"max_versions": 1, "rollout_throttle": 0.5}')
+    assert watcher.poll().max_versions == 1
+    (tmp_path / "control.json").write_text('{"max_versions": "soon"')
+    assert watcher.poll().max_versions == 1
+    assert watcher.poll().rollout_throttle == 0.5
+
+
+def test_staleness_accounting_lag_is_sampled_once_per_rollout_and_version():
+    accounting = StalenessAccounting(max_versions=2)
+    accounting.record_optimizer_step(3, 100.0)
+
+    def traj(i, version, source="r0.a"):
+        info = {"rollout": source, "served_at": 100.25}
+        return Trajectory(f"t{i}", version, 0.0, [1], [2], [0.0], 0.0, "g", info)
+
+    behind, lags = accounting.record_trained(
+        [traj(0, 3), traj(1, 3), traj(2, 2), traj(3, 3, "r1.b")], current_version=4, now=1.0
+    )
+    assert behind == [1, 1, 2, 1]
+    assert lags == [pytest.approx(250.0), pytest.approx(250.0)]
+    assert accounting.histogram == {1: 3, 2: 1}
+    assert accounting.to_json()["sources"]["r0.a"]["first_version"] == 2
+
+
+# ----------------------------------------------------- the trainer's accounting, in process
+
+
+def _synthetic_group(name: str, version: int, prompt_ids: list[int]) -> list[Trajectory]:
+    """A group the tiny model can score: 4 one-token answers, rewards with signal."""
+    return [
+        Trajectory(
+            id=f"{name}-{k}",
+            policy_version=version,
+            created_at=time.time(),
+            prompt_ids=prompt_ids,
+            response_ids=[10 + k, 2],
+            behaviour_logprobs=[-3.0, -3.0],
+            reward=float(k == 0),
+            group_id=name,
+            info={"rollout": "synthetic", "task_reward": float(k == 0)},
+        )
+        for k in range(4)
+    ]
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def _dropped_counter(exposition: str, reason: str) -> float:
+    pattern = rf'^rljob_dropped_samples_total{{[^}}]*reason="{reason}"[^}}]*}} (\S+)$'
+    found = re.search(pattern, exposition, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, tmp_path):
+    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=4)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.dump())
+    env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
+    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+    worker = TrainerWorker(config, env)
+    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    try:
+        client.send(_synthetic_group("a", 0, prompt), timeout_s=10)
+        client.send(_synthetic_group("b", 0, prompt), timeout_s=10)
+        first = worker.train_step()
+        second = worker.train_step()  # "b" is 1 version behind now: still within k = 1
+        client.send(_synthetic_group("c", 0, prompt), timeout_s=10)  # 2 behind: dropped
+        client.send(_synthetic_group("b", 0, prompt), timeout_s=10)  # a redelivery
+        client.send(_synthetic_group("d", 2, prompt), timeout_s=10)
+        third = worker.train_step()
+        worker.report_progress(done=True)
+        metrics = _scrape(worker.reporter.metrics_port)
+    finally:
+        client.close()
+        worker.close()
+
+    assert [r["policy_lag_versions_max"] for r in (first, second, third)] == [0, 1, 0]
+    assert worker.accounting.histogram == {0: 8, 1: 4}
+    assert worker.accounting.trained_twice == 0
+    assert third["dropped"]["stale_version"] == 4
+    assert third["duplicates"] == 4
+    assert _dropped_counter(metrics, "stale_version") == 4
+    progress = json.loads((tmp_path / "progress" / "trainer-0.json").read_text())
+    assert progress["dropped"]["stale_version"] == 4
+    assert progress["policy_version"] == 3
+    written = json.loads((tmp_path / ACCOUNTING_FILE).read_text())
+    assert written["staleness_histogram"] == {"0": 8, "1": 4}
