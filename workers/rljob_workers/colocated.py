@@ -286,7 +286,19 @@ class ColocatedRuntime:
         return records
 
     def train_step(self) -> dict[str, Any]:
-        """Run one full step and return its metrics record."""
+        """Run one full step and return its metrics record.
+
+        Keys: ``step``, ``policy_version``, ``reward_mean`` (task reward of every sample
+        generated this step, before overlong shaping, averaged over all actors), ``kl`` (k-estimate
+        to the reference policy when ``kl_coef > 0``, else the old→new approximate KL),
+        ``approx_kl``, ``entropy``, ``clip_fraction``, ``advantage_var``, ``loss``,
+        ``policy_loss``, ``value_loss`` (PPO), ``grad_norm``, ``policy_lag_ms``,
+        ``policy_lag_versions``, ``tokens_per_s``, ``step_time_s``, ``generate_time_s``,
+        ``samples`` (trained on), ``dropped_samples``, ``response_length_mean``,
+        ``truncated_fraction``, ``engine_logprob_gap`` (mean ``|engine - trainer|`` log-prob of
+        the sampled tokens: 0 up to numerics when the engine serves the trainer's weights),
+        ``buffer_age_s``, ``tokens``, ``time``.
+        """
         started = time.perf_counter()
         rollout, generated, sampled_rewards, dropped = self._collect()
         gen_done = time.perf_counter()

@@ -136,6 +136,7 @@ def localize_config(config: WorkerConfig, workdir: Path) -> WorkerConfig:
 def _worker_env(spec: ProcessSpec, config_path: Path, token: str, threads: int) -> dict[str, str]:
     package_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.update(
         {
             "RLJOB_ROLE": spec.role,
