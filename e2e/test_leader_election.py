@@ -6,6 +6,8 @@
 - the leader killed with SIGKILL: the standby takes the Lease over and reconciles a new RLJob; the
   takeover time (kill → the standby's first reconcile of the new job) is measured and printed;
 - a leader stopped with SIGTERM releases the Lease (no holder left behind);
+- a leader whose Lease another holder took exits at once (exit code 1) for its Deployment to
+  restart it, rather than act beside the new leader;
 - two candidates racing for the same free Lease against the real API server: exactly one wins
   (the other's write carries a stale resourceVersion and is refused).
 """
@@ -178,6 +180,24 @@ def test_leader_stopped_cleanly_releases_lease(
     assert leader.proc is not None and leader.proc.returncode == 0, leader.tail()
     assert holder(cluster, namespace) == ""
     assert "released Lease" in leader.tail()
+
+
+def test_leader_lease_taken_by_another_exits(
+    cluster: LocalCluster, namespace: str, replicas: list[OperatorProcess]
+) -> None:
+    leader = replicas[0]
+    leader.start()
+    wait_for(lambda: holder(cluster, namespace) == identity(leader), 30, "replica to lead")
+    cluster.kubectl(
+        "patch", "lease", LEASE_ID, "-n", namespace, "--type=merge",
+        "-p", '{"spec": {"holderIdentity": "intruder", "leaseDurationSeconds": 60}}',
+    )  # fmt: skip
+    proc = leader.proc
+    assert proc is not None
+    wait_for(lambda: proc.poll() is not None, 15, "the deposed leader to exit")
+    assert proc.returncode == 1
+    assert "Lease lost" in leader.tail()
+    assert holder(cluster, namespace) == "intruder"
 
 
 def test_two_candidates_racing_for_free_lease_exactly_one_wins(
