@@ -23,10 +23,8 @@ Sleep mode exists only on GPU platforms: ``sleep()`` / ``wake()`` call ``LLM.sle
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import random
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -45,26 +43,6 @@ from rljob_workers.engine.base import (
 
 if TYPE_CHECKING:
     import torch
-
-_LLGUIDANCE_PLACEHOLDER = '''"""Placeholder for llguidance (written by rljob_workers vllm_backend).
-
-vLLM 0.32 evaluates ``llguidance.*`` annotations when it imports its structured-output module, so a
-missing llguidance breaks ``import vllm`` even though rollouts never use guided decoding. Anything
-actually used from here raises ImportError.
-"""
-
-RLJOB_PLACEHOLDER = True
-
-
-def _missing(*args: object, **kwargs: object) -> None:
-    raise ImportError("llguidance is not installed: vLLM's guidance structured output is off")
-
-
-def __getattr__(name: str) -> type:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return type(name, (), {"__init__": _missing})
-'''
 
 
 class VLLMEngine:
@@ -91,7 +69,6 @@ class VLLMEngine:
         must follow ``wake``. ``engine_args`` are passed through to ``vllm.LLM``.
         """
         _prepare_environment(in_process=in_process, kv_cache_space_gib=kv_cache_space_gib)
-        _ensure_llguidance_importable()
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -262,30 +239,6 @@ def _check_process_mode(in_process: bool) -> None:
             f"in_process: an engine of the other mode already ran in this process and vLLM "
             f"cached its environment; start {wanted} engines in a separate process"
         )
-
-
-def _ensure_llguidance_importable() -> None:
-    """Put a placeholder ``llguidance`` on the path when the real package is missing.
-
-    vLLM 0.32 cannot even be imported without llguidance (see the placeholder's docstring), yet
-    rollouts never use it. The placeholder directory is also prepended to ``PYTHONPATH`` because
-    vLLM inspects model classes in a subprocess.
-    """
-    if importlib.util.find_spec("llguidance") is not None:
-        return
-    root = Path(tempfile.gettempdir()) / "rljob-vllm-placeholders"
-    package = root / "llguidance"
-    package.mkdir(parents=True, exist_ok=True)
-    for module in ("__init__.py", "hf.py", "torch.py"):
-        target = package / module
-        if not target.exists() or target.read_text() != _LLGUIDANCE_PLACEHOLDER:
-            staging = package / f".{module}.{os.getpid()}"
-            staging.write_text(_LLGUIDANCE_PLACEHOLDER)
-            staging.replace(target)
-    sys.path.insert(0, str(root))
-    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    importlib.invalidate_caches()
 
 
 @contextlib.contextmanager
