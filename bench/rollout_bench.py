@@ -42,15 +42,22 @@ def main() -> int:
         from vllm import SamplingParams
 
         prompts = [e.prompt for e in generate_examples("copy", args.prompts, seed=0)]
-        params = SamplingParams(
-            n=args.n,
-            max_tokens=args.max_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            logprobs=0,
-            seed=0,
-            ignore_eos=True,
-        )
+
+        def raw_params(seed: int) -> list[SamplingParams]:
+            """What the worker sends, built directly: per-request seeds, sampled-token logprobs."""
+            return [
+                SamplingParams(
+                    n=args.n,
+                    max_tokens=args.max_tokens,
+                    temperature=1.0,
+                    top_p=1.0,
+                    logprobs=0,
+                    seed=seed * 1000 + j,
+                    skip_special_tokens=True,
+                )
+                for j in range(len(prompts))
+            ]
+
         raw_llm = engine._llm  # the same vllm.LLM the worker drives
         engine.generate(prompts, n=args.n, max_tokens=args.max_tokens, seed=0)  # warm-up
         worker_tps, raw_tps = [], []
@@ -63,7 +70,7 @@ def main() -> int:
                     tokens = sum(len(c.token_ids) for c in out)
                     worker_tps.append(tokens / (time.perf_counter() - start))
                 else:
-                    res = raw_llm.generate(prompts, params, use_tqdm=False)
+                    res = raw_llm.generate(prompts, raw_params(i), use_tqdm=False)
                     tokens = sum(len(o.token_ids) for r in res for o in r.outputs)
                     raw_tps.append(tokens / (time.perf_counter() - start))
         state = {k: v.clone() for k, v in _state_dict(model_dir).items()}
