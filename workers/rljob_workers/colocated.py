@@ -670,7 +670,8 @@ def process_group(env: ProcessEnv, config: WorkerConfig) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # vLLM's in-process engine may already have torn it down
+            dist.destroy_process_group()
 
 
 def load_task_data(task: TaskConfig) -> TaskData:
