@@ -14,19 +14,25 @@ Aspects under test:
   compression, bf16 weight sync, TIS) learns the copy task from the random-policy baseline to
   a stated threshold; the report holds the staleness histogram (bounded by k), the policy-lag
   samples and the lag/staleness histogram PNG;
-- (slow) fault tolerance: a rollout killed mid-run does not stop training; no trajectory is
-  trained twice; a replacement rollout joins with the trainer's current weights (its first
-  generation uses a version >= the trainer's version when it joined); a straggler's stale
-  groups are dropped and exported as ``stale_version`` on the trainer's ``/metrics``;
+- (slow) fault tolerance: a rollout killed mid-run does not stop training; another leaves
+  cleanly on SIGTERM (exit 0); no trajectory is trained twice; a replacement rollout joins with
+  the trainer's current weights (its first generation uses a version >= the trainer's version
+  when it joined) and the rest of the run trains on its data; a straggler's stale groups are
+  dropped and exported as ``stale_version`` on the trainer's ``/metrics`` and in Progress;
 - (slow) the real engine: ``rljob run --local`` of the DAPO example with vLLM rollouts.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import replace
@@ -41,12 +47,14 @@ from rljob_workers.config import (
     CheckpointConfig,
     Control,
     Endpoints,
+    GradientCompressionConfig,
     ModelConfig,
     ProcessEnv,
     RolloutConfig,
     SamplingConfig,
     StalenessConfig,
     TaskConfig,
+    TrainerConfig,
     WeightSyncConfig,
     WorkerConfig,
 )
@@ -89,7 +97,7 @@ def _config(model, tmp_path: Path, **overrides) -> WorkerConfig:
         policy_loss=overrides.pop("policy_loss", "tis"),
         clip_high=0.28,
         learning_rate=5e-3,
-        group_size=4,
+        group_size=overrides.pop("group_size", 4),
         batch_size=overrides.pop("batch_size", 4),
         mini_batch_size=overrides.pop("batch_size_mini", 4),
         dynamic_sampling=overrides.pop("dynamic_sampling", True),
@@ -281,3 +289,263 @@ def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, 
     assert progress["policy_version"] == 3
     written = json.loads((tmp_path / ACCOUNTING_FILE).read_text())
     assert written["staleness_histogram"] == {"0": 8, "1": 4}
+
+
+# ------------------------------------------------------------------ local runs (processes)
+
+
+def _mean_reward(records, window: slice) -> float:
+    values = [r["reward_mean"] for r in records[window]]
+    return sum(values) / len(values)
+
+
+@pytest.mark.slow
+def test_dapo_local_two_rollouts_two_trainers_learns_copy_task(tiny_model, tmp_path):
+    from rljob_workers.local_runner import run_local
+
+    config = _config(
+        tiny_model,
+        tmp_path,
+        batch_size=8,
+        batch_size_mini=8,
+        group_size=8,
+        total_steps=LEARNING_STEPS,
+        staleness=StalenessConfig(max_versions=2, correction="tis", max_policy_lag_ms=10_000),
+        trainer=TrainerConfig(
+            replicas=2, gradient_compression=GradientCompressionConfig(type="bf16")
+        ),
+        rollout=RolloutConfig(engine="hf", sampling=SamplingConfig(n=8, max_tokens=2)),
+    )
+    started = time.monotonic()
+    result = run_local(
+        config,
+        workdir=tmp_path / "run",
+        processes={"rollout": 2, "trainer": 2},
+        stream=io.StringIO(),
+        timeout_s=600,
+    )
+    wall = time.monotonic() - started
+    assert result.ok, result.failure
+    trainer = result.records["trainer-0"]
+    baseline = _mean_reward(trainer, slice(0, 10))
+    final = _mean_reward(trainer, slice(-10, None))
+    summary = result.summary["disaggregated"]
+    print(
+        f"dapo disaggregated 2+2: reward {baseline:.3f} -> {final:.3f} in {len(trainer)} steps, "
+        f"{wall:.0f} s; staleness {summary['staleness_histogram']}; dropped "
+        f"{summary['dropped']}; lag median {summary['policy_lag_ms_median']:.0f} ms"
+    )
+    assert len(trainer) == LEARNING_STEPS
+    assert [r["policy_version"] for r in result.records["trainer-1"]][-1] == LEARNING_STEPS
+    assert baseline < 0.1
+    assert final >= LEARNING_THRESHOLD
+    assert max(int(k) for k in summary["staleness_histogram"]) <= 2
+    assert summary["policy_lag_ms_samples"] > 0
+    assert all(result.records[f"rollout-{i}"] for i in range(2))
+    assert (tmp_path / "run" / "policy_lag_hist.png").stat().st_size > 0
+
+
+def _spawn(config_path: Path, role: str, rank: int, world: int, log_path: Path):
+    env = {
+        **os.environ,
+        "RLJOB_ROLE": role,
+        "RLJOB_RANK": str(rank),
+        "RLJOB_REPLICA": str(rank),
+        "RLJOB_WORLD_SIZE": str(world),
+        "RLJOB_CONFIG": str(config_path),
+        "RLJOB_TOKEN": TOKEN,
+        "PYTHONPATH": str(WORKERS_ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rljob_workers.main"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for(predicate, timeout_s: float, what: str, processes=()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for process in processes:
+            assert process.poll() in (None, 0), f"a worker died (code {process.poll()}): {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _trainer_step(out: Path) -> int:
+    records = _records(out / "metrics-trainer-0.jsonl")
+    return records[-1]["step"] if records else 0
+
+
+def _stop(process) -> int:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        return process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
+
+
+FAULT_STEPS = 24
+FAULT_MAX_VERSIONS = 1
+
+
+@pytest.fixture(scope="module")
+def fault_run(tiny_model, tmp_path_factory):
+    """1 trainer + 2 rollouts. Rollout-1 is SIGKILLed mid-run; rollout-0 carries on alone; a
+    straggler sends version-0 groups late; rollout-0 leaves (SIGTERM) and a replacement
+    rollout-1 joins, so the rest of the run trains on its data. Returns what the tests inspect."""
+    out = tmp_path_factory.mktemp("fault")
+    config = _config(
+        tiny_model,
+        out,
+        batch_size=4,
+        batch_size_mini=4,
+        dynamic_sampling=False,
+        total_steps=FAULT_STEPS,
+        staleness=StalenessConfig(
+            max_versions=FAULT_MAX_VERSIONS, correction="tis", max_policy_lag_ms=10_000
+        ),
+    )
+    config_path = out / "config.json"
+    config_path.write_text(config.dump())
+    logs = {name: out / f"{name}.log" for name in ("trainer", "rollout-0", "rollout-1")}
+    trainer = _spawn(config_path, "trainer", 0, 1, logs["trainer"])
+    rollouts = [_spawn(config_path, "rollout", i, 2, logs[f"rollout-{i}"]) for i in range(2)]
+    replacement = None
+    facts: dict = {}
+    try:
+        alive = (trainer, *rollouts)
+        _wait_for(lambda: _trainer_step(out) >= 5, 300, "5 trainer steps", alive)
+        os.killpg(rollouts[1].pid, signal.SIGKILL)
+        rollouts[1].wait()
+        facts["killed_at_step"] = _trainer_step(out)
+        facts["killed_incarnation"] = _records(out / "metrics-rollout-1.jsonl")[-1]["incarnation"]
+        _wait_for(
+            lambda: _trainer_step(out) >= facts["killed_at_step"] + 3,
+            120,
+            "training without rollout-1",
+            (trainer, rollouts[0]),
+        )
+        facts["steps_while_down"] = _trainer_step(out) - facts["killed_at_step"]
+        straggler = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+        prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+        for name in ("late-0", "late-1"):
+            straggler.send(_synthetic_group(name, 0, prompt), timeout_s=10)
+        straggler.close()
+        facts["leaving_code"] = _stop(rollouts[0])  # no rollout left: the trainer waits
+        from rljob_workers.weightsync import WeightClient
+
+        weights = WeightClient(f"http://127.0.0.1:{config.endpoints.weights_port}", TOKEN)
+        facts["join_version"] = weights.latest_version()
+        replacement = _spawn(config_path, "rollout", 1, 2, logs["rollout-1"])
+        port = int(
+            re.search(r"metrics on http://127.0.0.1:(\d+)/", logs["trainer"].read_text()).group(1)
+        )
+        resumed_step = _trainer_step(out) + 1
+        _wait_for(lambda: _trainer_step(out) > resumed_step, 300, "steps on the replacement's data")
+        facts["metrics"] = _scrape(port)
+        facts["trainer_code"] = trainer.wait(timeout=300)
+    finally:
+        facts["rollout_codes"] = [_stop(p) for p in (replacement,) if p is not None]
+        if rollouts[0].poll() is None:
+            _stop(rollouts[0])
+        if trainer.poll() is None:
+            _stop(trainer)
+    facts["accounting"] = json.loads((out / ACCOUNTING_FILE).read_text())
+    facts["trainer_records"] = _records(out / "metrics-trainer-0.jsonl")
+    facts["rollout_1_records"] = _records(out / "metrics-rollout-1.jsonl")
+    facts["progress"] = json.loads((out / "progress" / "trainer-0.json").read_text())
+    return facts
+
+
+@pytest.mark.slow
+def test_fault_rollout_killed_training_continues_to_total_steps(fault_run):
+    assert fault_run["trainer_code"] == 0
+    assert fault_run["trainer_records"][-1]["step"] == FAULT_STEPS
+    assert fault_run["progress"]["done"] is True
+    assert fault_run["steps_while_down"] >= 3
+    killed = fault_run["accounting"]["sources"][fault_run["killed_incarnation"]]
+    assert killed["trained"] > 0
+    assert fault_run["leaving_code"] == 0
+    assert fault_run["rollout_codes"] == [0]
+
+
+@pytest.mark.slow
+def test_fault_no_trajectory_is_trained_twice(fault_run):
+    accounting = fault_run["accounting"]
+    assert accounting["trained_total"] == FAULT_STEPS * 4 * 4
+    assert accounting["trained_unique"] == accounting["trained_total"]
+    assert accounting["trained_twice"] == 0
+    assert accounting["server"]["duplicates"] == fault_run["trainer_records"][-1]["duplicates"]
+
+
+@pytest.mark.slow
+def test_fault_replacement_rollout_starts_from_current_weights(fault_run):
+    killed = fault_run["killed_incarnation"]
+    new = [r for r in fault_run["rollout_1_records"] if r["incarnation"] != killed]
+    assert new, "the replacement rollout generated nothing"
+    assert new[0]["join_trainer_version"] >= fault_run["join_version"]
+    assert new[0]["first_generation_version"] >= fault_run["join_version"]
+    trained_from_new = fault_run["accounting"]["sources"][new[0]["incarnation"]]
+    assert trained_from_new["first_version"] >= fault_run["join_version"]
+    assert trained_from_new["trained"] > 0
+
+
+@pytest.mark.slow
+def test_fault_staleness_bound_holds_and_stale_drops_are_exported(fault_run):
+    accounting = fault_run["accounting"]
+    assert accounting["max_behind"] <= FAULT_MAX_VERSIONS
+    assert "synthetic" not in accounting["sources"]
+    assert accounting["dropped"]["stale_version"] >= 8
+    assert fault_run["progress"]["dropped"]["stale_version"] >= 8
+    assert _dropped_counter(fault_run["metrics"], "stale_version") >= 8
+
+
+@pytest.mark.slow
+def test_rljob_run_local_dapo_example_with_vllm_rollouts(tiny_model, tmp_path):
+    import yaml
+
+    from rljob_operator.local import run_manifest_locally
+
+    manifest = yaml.safe_load(
+        (WORKERS_ROOT.parent / "examples" / "dapo-disaggregated.yaml").read_text()
+    )
+    spec = manifest["spec"]
+    spec["task"] = {"builtin": {"name": "copy"}}
+    spec["algorithm"].update(
+        {"groupSize": 4, "batchSize": 4, "learningRate": 5e-3, "overlongBuffer": {"enabled": False}}
+    )
+    spec["rollout"].update({"replicas": 1, "sampling": {"maxTokens": 2}})
+    spec["totalSteps"] = 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+
+    code = run_manifest_locally(str(path), workdir=str(tmp_path / "run"), model=str(tiny_model))
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0, summary["failure"]
+    config = WorkerConfig.load(tmp_path / "run" / "config.json")
+    assert config.rollout.engine == "vllm" and config.weight_sync.compression == "bf16"
+    assert config.trainer.gradient_compression.type == "bf16"
+    assert summary["processes"]["trainer-0"]["steps"] == 8
+    assert summary["processes"]["trainer-1"]["policy_version"] == 8
+    rollout = _records(tmp_path / "run" / "metrics-rollout-0.jsonl")
+    assert rollout and max(r["policy_version"] for r in rollout) >= 1
+    histogram = summary["disaggregated"]["staleness_histogram"]
+    assert max(int(k) for k in histogram) <= spec["staleness"]["maxVersions"]

@@ -461,9 +461,9 @@ def write_disaggregated_plots(
 
 def run_rollout(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     """The ``rollout`` role until SIGTERM; returns its per-batch records."""
-    from rljob_workers.rollout_worker import RolloutWorker
+    from rljob_workers.rollout_worker import run_rollout_process
 
-    return RolloutWorker(config, env).run()
+    return run_rollout_process(config, env)
 
 
 def run_trainer(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:

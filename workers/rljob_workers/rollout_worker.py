@@ -53,13 +53,15 @@ from rljob_workers.policy import DTYPES
 from rljob_workers.transport import ExperienceClient, token_from_env
 from rljob_workers.weightsync import WeightClient
 
-__all__ = ["RolloutWorker", "build_rollout_engine", "shard_prompts"]
+__all__ = ["RolloutWorker", "build_rollout_engine", "run_rollout_process", "shard_prompts"]
 
 log = logging.getLogger(__name__)
 
 HOLD_WAIT_S = 2.0
 """Long-poll for newer weights while held back (also bounds the reaction to SIGTERM)."""
 FLUSH_TIMEOUT_S = 5.0
+DELIVERY_ATTEMPT_S = 1.0
+"""One delivery attempt; retried until acked, so a stop request is noticed within it."""
 RETRY_S = 0.5
 MIN_THROTTLE = 0.05
 
@@ -145,16 +147,15 @@ class RolloutWorker:
 
     def run(self) -> list[dict[str, Any]]:
         """Join, then generate until ``stop``; return the per-batch records."""
-        with _stop_on_sigterm(self.stop):
-            try:
-                self._join()
-                while not self.stop.is_set():
-                    self._iteration()
-            finally:
-                self._drain()
-                self.reporter.close()
-                self.experience.close()
-                self.engine.close()
+        try:
+            self._join()
+            while not self.stop.is_set():
+                self._iteration()
+        finally:
+            self._drain()
+            self.reporter.close()
+            self.experience.close()
+            self.engine.close()
         return self.records
 
     def _join(self) -> None:
@@ -288,7 +289,7 @@ class RolloutWorker:
             self.experience.submit(trajectory)
         while not self.stop.is_set():
             try:
-                self.experience.flush(FLUSH_TIMEOUT_S)
+                self.experience.flush(DELIVERY_ATTEMPT_S)
                 return
             except TimeoutError as err:
                 log.warning("delivery pending (%d unacked): %s", self.experience.pending, err)
@@ -374,3 +375,10 @@ def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_rollout_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
+    """The rollout process until SIGTERM (even one that arrives while the engine loads)."""
+    stop = threading.Event()
+    with _stop_on_sigterm(stop):
+        return RolloutWorker(config, env, stop=stop).run()

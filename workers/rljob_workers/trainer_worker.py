@@ -17,6 +17,14 @@ One training step, on every rank of the trainer group:
 
 A rank with no group in a minibatch steps with a zero-weight loss, so every rank runs the same
 number of DDP all-reduces.
+
+Step records (``metrics-trainer-<rank>.jsonl``) add to the common keys: ``reward_mean`` (task
+reward of every trajectory taken from the buffer this step, before DAPO's filter: what the
+rollouts achieve), ``trained_reward_mean`` (of the trained batch), ``staleness_histogram`` and
+``policy_lag_versions(_max)`` (versions behind at training time), ``lag_samples_ms`` (new
+policy-lag samples), ``dropped`` (cumulative, by reason), ``duplicates``, ``accepted``,
+``buffer_size``, ``starving`` / ``wait_s``, ``is_weight_*`` (the off-policy correction),
+``behaviour_logprob_gap`` (mean ``|behaviour - proximal|`` log-prob), ``publish_ms``.
 """
 
 from __future__ import annotations
@@ -386,6 +394,7 @@ class TrainerWorker:
         self._assembling: list[Group] = []
         self._no_signal: list[Group] = []
         self._filtered = 0
+        self._taken_rewards: list[float] = []
         self._starving = False
         self._last_beat = -math.inf
         self.reporter = RoleReporter(config, env, heartbeat=self.leader)
@@ -425,6 +434,7 @@ class TrainerWorker:
         groups, waited_s, starving = self._next_batch()
         trained_at = time.perf_counter()
         flat = [t for group in groups for t in group]
+        sampled_rewards, self._taken_rewards = self._taken_rewards, []
         current = self.version
         behind, lags = self.accounting.record_trained(
             flat, current_version=current, now=time.time()
@@ -441,7 +451,8 @@ class TrainerWorker:
         record: dict[str, Any] = {
             "step": self.step,
             "policy_version": self.version,
-            "reward_mean": _mean([_task_reward(t) for t in flat]),
+            "reward_mean": _mean(sampled_rewards),
+            "trained_reward_mean": _mean([_task_reward(t) for t in flat]),
             "score_mean": _mean([t.reward for t in flat]),
             "groups": len(groups),
             "samples": len(flat),
@@ -473,9 +484,15 @@ class TrainerWorker:
         while True:
             payload = self._assemble(SYNC_EVERY_S) if self.leader else None
             if self.distributed:
-                box: list[Any] = [(payload, self._starving, self.accounting.max_versions)]
+                shared = (
+                    payload,
+                    self._starving,
+                    self.accounting.max_versions,
+                    self._taken_rewards,
+                )
+                box: list[Any] = [shared]
                 dist.broadcast_object_list(box, src=0)
-                payload, self._starving, self.accounting.max_versions = box[0]
+                payload, self._starving, self.accounting.max_versions, self._taken_rewards = box[0]
             if payload is not None:
                 return payload, time.monotonic() - started, self._starving
 
@@ -504,6 +521,7 @@ class TrainerWorker:
             taken = self.servers.buffer.take_groups(
                 wanted, n, current_version=self.version, now=time.time()
             )
+        self._taken_rewards += [_task_reward(t) for t in taken]
         for group in group_batch(taken, n):
             if not self.config.algorithm.dynamic_sampling or _has_signal(group):
                 self._assembling.append(group)
