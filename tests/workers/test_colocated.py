@@ -43,7 +43,7 @@ ENV = ProcessEnv(role="actor")
 GRPO_LEARNING_STEPS = 100
 GRPO_REWARD_THRESHOLD = 0.5
 """Mean reward of the last 10 steps; the random policy scores about 0.003 on this task."""
-PPO_STEPS = 100
+PPO_STEPS = 60
 DAPO_STEPS = 60
 IMPROVEMENT = 0.1
 """PPO and DAPO must beat their first-10-steps reward by this much over their last 10 steps."""

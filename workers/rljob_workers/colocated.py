@@ -559,6 +559,19 @@ class ColocatedRuntime:
 
     # ---------------------------------------------------------- distributed
 
+    def _check_same_checkpoint(self, chosen: Path | None) -> None:
+        if not self.distributed:
+            return
+        mine = -1 if chosen is None else int(chosen.name.removeprefix("step-"))
+        steps = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        if int(steps[0]) != -int(steps[1]):
+            raise RuntimeError(
+                f"spec.checkpoint: actor {self.env.rank} found checkpoint step {mine} in "
+                f"{self.config.checkpoint.dir} but another actor found step {int(steps[0])}; "
+                "the checkpoint volume must be shared by every actor"
+            )
+
     def _global_sum(self, value: float) -> float:
         if not self.distributed:
             return value
@@ -606,8 +619,13 @@ class ColocatedRuntime:
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Load ``path`` (default: the newest checkpoint); False when there is none."""
+        """Load ``path`` (default: the newest checkpoint); False when there is none.
+
+        With several actors every one must find the same checkpoint (the checkpoint directory
+        is shared), otherwise their weights would silently diverge: that raises instead.
+        """
         chosen = Path(path) if path is not None else latest_checkpoint(self.config.checkpoint.dir)
+        self._check_same_checkpoint(chosen)
         if chosen is None:
             return False
         modules, optimizers = self._checkpoint_parts()
