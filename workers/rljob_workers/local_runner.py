@@ -43,7 +43,9 @@ __all__ = [
     "run_local",
 ]
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 30.0
+"""SIGTERM -> SIGKILL, as Kubernetes' default terminationGracePeriodSeconds: a vLLM rollout
+delivering its last batch and shutting its engine down takes several seconds on a busy host."""
 LOG_TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
 

@@ -165,6 +165,7 @@ class RolloutWorker:
                 version = self.weights.latest_version()
                 if version is not None and self._load_latest(after=None, wait_s=0.0):
                     self.join_trainer_version = version
+                    self.weights_latency_ms = None  # published before this rollout existed
                     log.info(
                         "%s joined: trainer at version %d, serving version %d",
                         self.incarnation,
