@@ -198,6 +198,19 @@ class _Pass:
     scale_to: int | None = None
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What one pass knows about the job (read-only)."""
+
+    observed: Observed
+    spec: RLJobSpec
+    topology: Topology
+    key: str
+    old: dict[str, Any]
+    generation: int
+    now: float
+
+
 def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -> Plan:
     """Decide what to create, delete, scale and report for one job."""
     policy = policy or Policy()
@@ -217,14 +230,15 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     progress = read_progress(observed, ref)
     _report_progress(work, progress, spec, topology)
 
+    ctx = _Job(observed, spec, topology, key, old, generation, now)
     if old.get("phase") in FINISHED:
-        return _finished_plan(observed, work, spec, key, old, generation, now)
+        return _finished_plan(ctx)
     if _done(progress, spec, topology):
-        return _succeed(observed, work, spec, key, old, generation, now)
+        return _succeed(ctx, work)
 
     _failover(observed, work, spec, topology, now)
     if work.status.get("phase") == "Failed":
-        return _plan(work, (), key, old, generation, now, spec, topology, observed)
+        return _plan(ctx, work, ())
     control = _degrade(work, spec, progress, old, now)
     _elastic(work, spec, topology, progress, old, now, policy)
 
@@ -259,7 +273,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         work.events.append(EventSpec("Normal", "CreatedPods", f"created {', '.join(created)}"))
         if spec.scheduling.gang and not observed.gang_api:
             work.events.append(EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
-    return _plan(work, tuple(to_apply), key, old, generation, now, spec, topology, observed)
+    return _plan(ctx, work, tuple(to_apply))
 
 
 def _missing(
@@ -518,44 +532,28 @@ def _elastic(
         )
 
 
-def _succeed(
-    observed: Observed,
-    work: _Pass,
-    spec: RLJobSpec,
-    key: str,
-    old: dict[str, Any],
-    generation: int,
-    now: float,
-) -> Plan:
+def _succeed(ctx: _Job, work: _Pass) -> Plan:
     work.status["phase"] = "Succeeded"
-    work.status["completionTime"] = _iso(now)
-    work.status["message"] = f"reached spec.totalSteps={spec.total_steps}"
+    work.status["completionTime"] = _iso(ctx.now)
+    work.status["message"] = f"reached spec.totalSteps={ctx.spec.total_steps}"
     work.events.append(EventSpec("Normal", "Succeeded", work.status["message"]))
-    for pod in observed.pods:
+    for pod in ctx.observed.pods:
         if _pod_phase(pod) not in ("Terminating", "Succeeded", "Failed"):
             work.delete.append(ObjectRef("v1", "Pod", pod["metadata"]["name"]))
-    topology, _ = resolve_topology(spec)
-    return _plan(work, (), key, old, generation, now, spec, topology, observed)
+    return _plan(ctx, work, ())
 
 
-def _finished_plan(
-    observed: Observed,
-    work: _Pass,
-    spec: RLJobSpec,
-    key: str,
-    old: dict[str, Any],
-    generation: int,
-    now: float,
-) -> Plan:
+def _finished_plan(ctx: _Job) -> Plan:
     """A finished job keeps its status; its TTL, once expired, deletes the job itself."""
-    ttl = spec.ttl_seconds_after_finished
-    done_at = _seconds(old.get("completionTime"))
-    meta = observed.job["metadata"]
+    ttl = ctx.spec.ttl_seconds_after_finished
+    done_at = _seconds(ctx.old.get("completionTime"))
+    meta = ctx.observed.job["metadata"]
+    key, now = ctx.key, ctx.now
     if ttl is not None and done_at is not None:
         left = done_at + ttl - now
         if left <= 0:
             return Plan(
-                delete=(ObjectRef(observed.job["apiVersion"], "RLJob", meta["name"]),),
+                delete=(ObjectRef(ctx.observed.job["apiVersion"], "RLJob", meta["name"]),),
                 events=(EventSpec("Normal", "TTLExpired", f"deleted {ttl}s after finishing"),),
                 job_key=key,
             )
@@ -563,20 +561,10 @@ def _finished_plan(
     return Plan(job_key=key)
 
 
-def _plan(
-    work: _Pass,
-    to_apply: tuple[dict[str, Any], ...],
-    key: str,
-    old: dict[str, Any],
-    generation: int,
-    now: float,
-    spec: RLJobSpec,
-    topology: Topology,
-    observed: Observed,
-) -> Plan:
-    _fill_status(work, spec, topology, observed, old, generation, now)
-    work.events[:0] = _transition_events(old, work.status)
-    changed = work.status != old
+def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
+    _fill_status(ctx, work)
+    work.events[:0] = _transition_events(ctx.old, work.status)
+    changed = work.status != ctx.old
     converged = (
         not to_apply
         and not work.delete
@@ -590,21 +578,15 @@ def _plan(
         events=tuple(work.events),
         scale_to=work.scale_to,
         requeue_after=requeue,
-        job_key=key,
+        job_key=ctx.key,
         restarts=work.restarts,
         degraded_now=work.degraded_now,
     )
 
 
-def _fill_status(
-    work: _Pass,
-    spec: RLJobSpec,
-    topology: Topology,
-    observed: Observed,
-    old: dict[str, Any],
-    generation: int,
-    now: float,
-) -> None:
+def _fill_status(ctx: _Job, work: _Pass) -> None:
+    spec, topology, observed, old = ctx.spec, ctx.topology, ctx.observed, ctx.old
+    generation, now = ctx.generation, ctx.now
     status = work.status
     ref = JobRef.from_metadata(observed.job["metadata"])
     per_role: dict[str, dict[str, int]] = {}
