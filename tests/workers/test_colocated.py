@@ -2,7 +2,7 @@
 
 Aspects under test:
 - the trainer scores a padded batch exactly as the engine sampled it (log-probs agree, so the
-  first PPO ratio is 1);
+  first PPO ratio is 1); gradient checkpointing changes memory, not gradients;
 - the prompt cursor continues where it stopped;
 - one step reports every metric a user watches, pushes the new weights into the engine (same
   version, same tensors) and measures the policy lag (0 versions with one minibatch, more with
@@ -105,6 +105,20 @@ def test_policy_logprobs_on_padded_batch_match_engine_sampling(tiny_model):
         expected = torch.tensor(completion.logprobs)
         assert torch.allclose(logp[row, :length], expected, atol=1e-5)
         assert torch.all(logp[row, length:] == 0)
+
+
+def test_policy_gradient_checkpointing_same_logprobs_and_gradients(tiny_model):
+    batch = build_sequence_batch([[1, 5, 6], [1, 7]], [[8, 9, 2], [10]], pad_id=0)
+    grads = []
+    for checkpointing in (False, True):
+        policy = PolicyModel.from_pretrained(tiny_model, gradient_checkpointing=checkpointing)
+        policy.train()
+        assert policy.gradient_checkpointing is checkpointing
+        logp, _ = policy(batch)
+        logp.sum().backward()
+        grads.append([p.grad.clone() for p in policy.parameters()])
+    for plain, recomputed in zip(*grads, strict=True):
+        assert torch.allclose(plain, recomputed, atol=1e-6)
 
 
 def test_prompt_sampler_restored_cursor_continues_the_same_order():

@@ -249,6 +249,7 @@ class ColocatedRuntime:
         self.mini_prompts_per_rank = max(1, algo.mini_batch_size // env.world_size)
         self.minibatches = math.ceil(self.prompts_per_rank / self.mini_prompts_per_rank)
         self.distributed = env.world_size > 1
+        self._last_policy_step = time.perf_counter()
         self._train_policy: nn.Module = self._wrap(policy)
         self._train_critic: nn.Module | None = None if critic is None else self._wrap(critic)
         self.optimizer = torch.optim.AdamW(
@@ -454,11 +455,9 @@ class ColocatedRuntime:
     def _update(self, prepared: _Prepared, rollout: _Rollout) -> dict[str, Any]:
         algo = self.config.algorithm
         totals: dict[str, list[float]] = {}
-        last_step = time.perf_counter()
         for _epoch in range(algo.ppo_epochs):
             for rows in self._minibatch_rows(len(rollout)):
                 metrics = self._update_minibatch(prepared, rows)
-                last_step = time.perf_counter()
                 self.policy_version += 1
                 for key, value in metrics.items():
                     totals.setdefault(key, []).append(value)
@@ -470,17 +469,22 @@ class ColocatedRuntime:
         summary["engine_logprob_gap"] = float(masked_mean(gap, mask))
         summary["truncated_fraction"] = _mean([float(t) for t in rollout.truncated])
         summary["tokens"] = float(mask.sum())
-        summary["_last_optimizer_step"] = last_step
+        summary["_last_optimizer_step"] = self._last_policy_step
         return summary
 
     def _update_minibatch(self, prepared: _Prepared, rows: Tensor) -> dict[str, float]:
-        """One optimizer step; an empty minibatch steps with zero loss (keeps DDP ranks in step)."""
+        """One critic step (PPO), then one policy step, whose time starts the lag clock.
+
+        An empty minibatch steps with zero loss, which keeps DDP ranks in step.
+        """
         weight = 1.0
         if rows.numel() == 0:
             rows, weight = torch.zeros(1, dtype=torch.long), 0.0
         batch = prepared.batch.rows(rows)
         mask = batch.response_mask * weight
         metrics: dict[str, float] = {}
+        if self._train_critic is not None:
+            metrics["value_loss"] = self._update_critic(prepared, rows, batch, mask)
         logp, entropy = self._train_policy(batch, with_entropy=True)
         assert entropy is not None
         policy_loss, loss_metrics = self._policy_loss(logp, prepared, rows, mask)
@@ -507,8 +511,7 @@ class ColocatedRuntime:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), algo.max_grad_norm)
         metrics["grad_norm"] = float(grad_norm)
         self.optimizer.step()
-        if self._train_critic is not None:
-            metrics["value_loss"] = self._update_critic(prepared, rows, batch, mask)
+        self._last_policy_step = time.perf_counter()
         return metrics
 
     def _policy_loss(
