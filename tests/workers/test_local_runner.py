@@ -8,7 +8,8 @@ Aspects under test:
 - the runner renders a local config (loopback, free ports, paths in the work directory);
 - (slow) two actor processes train together over gloo: live progress, a final table, a JSON
   summary and PNG plots; every rank reports the same all-reduced reward and policy version;
-- (slow) when one process fails the runner stops the others and no process of the run is left.
+- (slow) when one process fails, or the user presses Ctrl-C, the runner stops every process and
+  none of the run is left.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -192,4 +194,39 @@ def test_run_local_failing_process_stops_all_children(tiny_model, tmp_path, monk
     assert "reward service unreachable from rank 1" in result.failure
     assert result.exit_codes["actor-0"] != 0
     assert time.monotonic() - started < 400
+    assert _processes_of_run(workdir) == []
+
+
+INTERRUPTIBLE_RUN = """
+import sys
+from rljob_workers.config import WorkerConfig
+from rljob_workers.local_runner import run_local
+config = WorkerConfig.parse(open(sys.argv[1]).read())
+result = run_local(config, workdir=sys.argv[2], stream=sys.stdout, threads_per_process=1)
+print("interrupted" if result.interrupted else "finished", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_run_local_ctrl_c_stops_every_process(tiny_model, tmp_path):
+    config_file = tmp_path / "job.json"
+    config_file.write_text(_config(tiny_model, total_steps=10_000).dump())
+    workdir = tmp_path / "run"
+    runner = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTIBLE_RUN, str(config_file), str(workdir)],
+        env={**os.environ, "PYTHONPATH": str(WORKERS_ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert runner.stdout is not None
+        for line in runner.stdout:
+            if line.startswith("[actor-0] step 2/"):
+                break
+        runner.send_signal(signal.SIGINT)
+        rest, _ = runner.communicate(timeout=120)
+    finally:
+        runner.kill()
+    assert rest.strip().endswith("interrupted")
+    assert "FAILED: interrupted" in rest
     assert _processes_of_run(workdir) == []
