@@ -5,7 +5,9 @@ Aspects under test:
   (TIS truncates the weight at its cap, decoupled PPO does not, plain PPO clip has none), so a
   stale or mismatched behaviour policy changes the update the way the algorithm says;
 - the hold rule and the live control: a rollout holds back at the staleness bound, a
-  tightened ``max_versions`` in ``control.json`` takes effect, a malformed file is ignored;
+  tightened ``max_versions`` in ``control.json`` takes effect, a malformed file is ignored; a
+  paused rollout (real rollout + trainer in process, loopback HTTP) joins and heartbeats but
+  sends nothing until unpaused;
 - the trainer's own accounting (in process, real experience server over loopback): with
   ``maxVersions = k`` nothing more than k versions behind is trained on, what arrives too stale
   is dropped and counted by reason in the step record, the Progress heartbeat and Prometheus;
@@ -19,7 +21,9 @@ Aspects under test:
   cleanly on SIGTERM (exit 0); no trajectory is trained twice; a replacement rollout joins with
   the trainer's current weights (its first generation uses a version >= the trainer's version
   when it joined) and the rest of the run trains on its data; a straggler's stale groups are
-  dropped and exported as ``stale_version`` on the trainer's ``/metrics`` and in Progress;
+  dropped and exported as ``stale_version`` on the trainer's ``/metrics`` and in Progress; the
+  trainer (with gradient checkpointing) checkpoints, and a restarted trainer resumes its step
+  and serves that policy version to rollouts;
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from rljob_workers.config import (
     SamplingConfig,
     StalenessConfig,
     TaskConfig,
+    TrainerConfig,
     WeightSyncConfig,
     WorkerConfig,
 )
@@ -369,6 +374,8 @@ def fault_run(tiny_model, tmp_path_factory):
         batch_size_mini=4,
         dynamic_sampling=False,
         total_steps=FAULT_STEPS,
+        trainer=TrainerConfig(gradient_checkpointing=True),
+        checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every_steps=10, keep=2),
         staleness=StalenessConfig(
             max_versions=FAULT_MAX_VERSIONS, correction="tis", max_policy_lag_ms=10_000
         ),
@@ -422,6 +429,7 @@ def fault_run(tiny_model, tmp_path_factory):
     facts["trainer_records"] = _records(out / "metrics-trainer-0.jsonl")
     facts["rollout_1_records"] = _records(out / "metrics-rollout-1.jsonl")
     facts["progress"] = json.loads((out / "progress" / "trainer-0.json").read_text())
+    facts["config"] = config
     return facts
 
 
@@ -516,3 +524,61 @@ def test_rljob_run_local_dapo_example_vllm_2_rollouts_2_trainers_learns(tiny_mod
     assert extra["policy_lag_ms_samples"] > 0
     assert all(extra["rollout_batches"][f"rollout-{i}"] > 0 for i in range(2))
     assert (run / "policy_lag_hist.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_fault_trainer_checkpoints_and_a_restarted_trainer_serves_its_version(fault_run, tmp_path):
+    checkpoint = fault_run["progress"]["last_checkpoint"]
+    assert checkpoint is not None and checkpoint.endswith(f"step-{FAULT_STEPS:08d}")
+    config = fault_run["config"].model_copy(
+        update={
+            "output_dir": str(tmp_path),
+            "endpoints": Endpoints(experience_port=_free_port(), weights_port=_free_port()),
+        }
+    )
+    env = ProcessEnv(role="trainer", config_path=str(tmp_path / "config.json"), token=TOKEN)
+    restarted = TrainerWorker(config, env)
+    try:
+        from rljob_workers.weightsync import WeightClient
+
+        weights = WeightClient(f"http://127.0.0.1:{config.endpoints.weights_port}", TOKEN)
+        assert (restarted.step, restarted.version) == (FAULT_STEPS, FAULT_STEPS)
+        assert weights.latest_version() == FAULT_STEPS
+    finally:
+        restarted.close()
+
+
+def test_rollout_paused_by_live_control_generates_nothing_until_unpaused(tiny_model, tmp_path):
+    import threading
+
+    from rljob_workers.rollout_worker import RolloutWorker
+
+    config = _config(tiny_model, tmp_path, total_steps=1, dynamic_sampling=False)
+    (tmp_path / "config.json").write_text(config.dump())
+    (tmp_path / "control.json").write_text('{"paused": true}')
+    trainer = TrainerWorker(
+        config, ProcessEnv(role="trainer", config_path=str(tmp_path / "config.json"), token=TOKEN)
+    )
+    rollout_env = ProcessEnv(
+        role="rollout", config_path=str(tmp_path / "config.json"), token=TOKEN, world_size=1
+    )
+    stop = threading.Event()
+    rollout = RolloutWorker(config, rollout_env, stop=stop)
+    runner = threading.Thread(target=rollout.run, daemon=True)
+    runner.start()
+    try:
+        _wait_for(lambda: rollout.join_trainer_version is not None, 60, "the rollout to join")
+        time.sleep(1.5)
+        paused_accepted = trainer.servers.experience.stats.accepted
+        heartbeat = json.loads((tmp_path / "progress" / "rollout-0.json").read_text())
+        (tmp_path / "control.json").write_text('{"paused": false}')
+        _wait_for(lambda: trainer.servers.experience.stats.accepted > 0, 60, "experience")
+        record = trainer.train_step()
+    finally:
+        stop.set()
+        runner.join(timeout=30)
+        trainer.close()
+    assert paused_accepted == 0
+    assert heartbeat["step"] == 0 and heartbeat["policy_version"] == 0
+    assert record["samples"] == 16
+    assert record["staleness_histogram"] == {"0": 16}

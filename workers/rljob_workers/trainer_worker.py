@@ -397,6 +397,7 @@ class TrainerWorker:
         self._taken_rewards: list[float] = []
         self._starving = False
         self._last_beat = -math.inf
+        self._last_record: dict[str, Any] = {}
         self.reporter = RoleReporter(config, env, heartbeat=self.leader)
         if self.leader:
             self.servers = _Servers(config, env, version=self.version)
@@ -424,6 +425,7 @@ class TrainerWorker:
     def train_step(self) -> dict[str, Any]:
         """Wait for a batch, train on it, publish the new version, report; return the record."""
         record = self._train_step()
+        self._last_record = record
         self.reporter.record(record, dropped=record.get("dropped"))
         log.info(_format_step(record, self.config.total_steps))
         self.report_progress(done=self.step >= self.config.total_steps)
@@ -634,8 +636,7 @@ class TrainerWorker:
         self._last_beat = time.monotonic()
         stats = self._server_stats()
         lags = self.accounting.lag_samples_ms[-32:]
-        histogram = self.accounting.histogram
-        behind = sum(k * v for k, v in histogram.items()) / max(1, sum(histogram.values()))
+        last = self._last_record
         self.reporter.beat(
             Progress(
                 role="trainer",
@@ -644,10 +645,12 @@ class TrainerWorker:
                 step=self.step,
                 policy_version=self.version,
                 policy_lag_ms=statistics.median(lags) if lags else None,
-                policy_lag_versions=behind if histogram else None,
+                policy_lag_versions=finite_or_none(last.get("policy_lag_versions")),
                 buffer_age_seconds=finite_or_none(stats.get("buffer_age_s")),
                 dropped=stats.get("dropped", {}),
                 last_checkpoint=self.last_checkpoint,
+                tokens_per_second=finite_or_none(last.get("tokens_per_s")),
+                reward_mean=finite_or_none(last.get("reward_mean")),
                 starving=self._starving,
                 done=done,
             )
