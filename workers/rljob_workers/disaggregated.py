@@ -327,7 +327,11 @@ class StalenessAccounting:
             "trained_unique": len(self._trained_ids),
             "trained_twice": self.trained_twice,
             "sources": {
-                name: {"first_version": s.first_version, "first_seen": s.first_seen, **_n(s)}
+                name: {
+                    "first_version": s.first_version,
+                    "first_seen": s.first_seen,
+                    "trained": s.trained,
+                }
                 for name, s in sorted(self.sources.items())
             },
             "policy_lag_ms": {
@@ -348,10 +352,6 @@ class StalenessAccounting:
         tmp.write_text(json.dumps(self.to_json(**extra), indent=1, sort_keys=True))
         os.replace(tmp, target)
         return target
-
-
-def _n(stats: SourceStats) -> dict[str, int]:
-    return {"trained": stats.trained}
 
 
 def _percentile(values: Sequence[float], fraction: float) -> float | None:
