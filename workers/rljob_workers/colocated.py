@@ -67,6 +67,8 @@ from rljob_workers.policy import (
     SequenceBatch,
     ValueModel,
     build_sequence_batch,
+    pad_rows,
+    pad_token_id,
 )
 
 __all__ = [
@@ -413,7 +415,7 @@ class ColocatedRuntime:
         batch = build_sequence_batch(rollout.prompt_ids, rollout.response_ids, pad_id=self.pad_id)
         mask = batch.response_mask
         old_logp = self.policy.logprobs(batch)
-        behaviour = _pad_rows(rollout.behaviour_logprobs, mask.shape[1]) * mask
+        behaviour = pad_rows(rollout.behaviour_logprobs, mask.shape[1]) * mask
         ref_logp = None if self.reference is None else self.reference.logprobs(batch)
         scores = torch.tensor(rollout.scores, dtype=torch.float32)
         returns = old_values = None
@@ -656,15 +658,6 @@ def _camel(name: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def _pad_rows(rows: list[list[float]], width: int) -> Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        clipped = row[:width]
-        if clipped:
-            out[i, : len(clipped)] = torch.tensor(clipped, dtype=torch.float32)
-    return out
-
-
 def _reward_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
     """``[B, T]`` token rewards: each sequence's score on its last valid token."""
     lengths = mask.sum(dim=1).long()
@@ -713,14 +706,6 @@ def load_task_data(task: TaskConfig) -> TaskData:
     )
 
 
-def _pad_token_id(model_path: str) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return int(pad or 0)
-
-
 def build_colocated_runtime(
     config: WorkerConfig, env: ProcessEnv, *, engine: RolloutEngine | None = None
 ) -> ColocatedRuntime:
@@ -757,7 +742,7 @@ def build_colocated_runtime(
         engine=engine,
         policy=policy,
         task=load_task_data(config.task),
-        pad_id=_pad_token_id(model.tokenizer_path or model.path),
+        pad_id=pad_token_id(model.tokenizer_path or model.path),
         critic=critic,
         reference=reference,
     )

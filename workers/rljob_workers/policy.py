@@ -25,6 +25,8 @@ __all__ = [
     "ValueModel",
     "build_sequence_batch",
     "load_causal_lm",
+    "pad_rows",
+    "pad_token_id",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -105,6 +107,25 @@ def build_sequence_batch(
         response_mask=torch.tensor(response_masks, dtype=torch.float32, device=device),
         prompt_width=width_p,
     )
+
+
+def pad_rows(rows: Sequence[Sequence[float]], width: int) -> Tensor:
+    """``[B, width]`` float rows, right-padded with zeros (longer rows are cut at ``width``)."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        clipped = list(row[:width])
+        if clipped:
+            out[i, : len(clipped)] = torch.tensor(clipped, dtype=torch.float32)
+    return out
+
+
+def pad_token_id(tokenizer_path: str) -> int:
+    """The tokenizer's pad id (its eos id when it has no pad token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
 
 
 def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> Any:

@@ -69,7 +69,13 @@ from rljob_workers.disaggregated import (
     effective_max_versions,
     finite_or_none,
 )
-from rljob_workers.policy import PolicyModel, SequenceBatch, build_sequence_batch
+from rljob_workers.policy import (
+    PolicyModel,
+    SequenceBatch,
+    build_sequence_batch,
+    pad_rows,
+    pad_token_id,
+)
 from rljob_workers.transport import ExperienceServer, token_from_env
 from rljob_workers.weightsync import WeightServer
 
@@ -100,15 +106,6 @@ def _has_signal(group: Group) -> bool:
 def _task_reward(trajectory: Trajectory) -> float:
     value = trajectory.info.get("task_reward", trajectory.reward)
     return float(value) if isinstance(value, int | float) else trajectory.reward
-
-
-def _pad_rows(rows: Sequence[Sequence[float]], width: int) -> Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        clipped = list(row[:width])
-        if clipped:
-            out[i, : len(clipped)] = torch.tensor(clipped, dtype=torch.float32)
-    return out
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -190,7 +187,7 @@ class Learner:
         mask = batch.response_mask
         self.policy.eval()
         proximal = self.policy.logprobs(batch)
-        behaviour = _pad_rows([t.behaviour_logprobs for t in rows], mask.shape[1]) * mask
+        behaviour = pad_rows([t.behaviour_logprobs for t in rows], mask.shape[1]) * mask
         scores = torch.tensor([t.reward for t in rows], dtype=torch.float32)
         estimate = (
             compute_grpo_advantages(scores, group_size=self.group_size)
@@ -378,7 +375,7 @@ class TrainerWorker:
         self.learner = Learner(
             config,
             self.policy,
-            pad_id=_pad_token_id(model.tokenizer_path or model.path),
+            pad_id=pad_token_id(model.tokenizer_path or model.path),
             train_module=train_module,
             reference=_reference(config),
             rank=env.rank,
@@ -672,14 +669,6 @@ def _format_step(record: dict[str, Any], total_steps: int) -> str:
         f"{'-' if lag is None else f'{lag:.0f} ms'} wait {record['wait_s']:.2f} s "
         f"step {record['step_time_s']:.2f} s"
     )
-
-
-def _pad_token_id(tokenizer_path: str) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return int(pad or 0)
 
 
 def _reference(config: WorkerConfig) -> PolicyModel | None:
