@@ -582,3 +582,37 @@ def test_rollout_paused_by_live_control_generates_nothing_until_unpaused(tiny_mo
     assert heartbeat["step"] == 0 and heartbeat["policy_version"] == 0
     assert record["samples"] == 16
     assert record["staleness_histogram"] == {"0": 16}
+
+
+def test_trainer_servers_apply_live_config_changes_without_restart(tmp_path):
+    """Buffer aging/capacity, the staleness bound and weight compression change in place when the
+    mounted config file changes (as the kubelet does when the operator updates the ConfigMap)."""
+    from rljob_workers.config import BufferConfig, ProcessEnv
+    from rljob_workers.trainer_worker import _Servers
+
+    config = _config(tmp_path / "no-model", tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(config.dump())
+    env = ProcessEnv(role="trainer", config_path=str(path), token="t")
+    servers = _Servers(config, env, version=0)
+    servers.live.interval_s = 0.0
+    servers.control.interval_s = 0.0
+    try:
+        assert servers.apply_control() == 1
+        changed = config.model_copy(
+            update={
+                "buffer": BufferConfig(capacity=32, max_age_seconds=60.0),
+                "staleness": config.staleness.model_copy(update={"max_versions": 3}),
+                "weight_sync": WeightSyncConfig(method="http", compression="fp8"),
+            }
+        )
+        path.write_text(changed.dump())
+        assert servers.apply_control() == 3
+        assert servers.buffer.capacity == 32
+        assert servers.buffer.max_age_seconds == 60.0
+        assert servers.experience.max_versions == 3
+        assert servers.weights.compression == "fp8"
+        (tmp_path / "control.json").write_text('{"max_versions": 2}')
+        assert servers.apply_control() == 2  # the degrade action tightens the live bound further
+    finally:
+        servers.close()

@@ -35,9 +35,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
 from rljob_workers.algos import decoupled_ppo_policy_loss, ppo_clip_policy_loss, tis_policy_loss
@@ -54,6 +54,7 @@ from rljob_workers.config import (
 __all__ = [
     "ACCOUNTING_FILE",
     "ControlWatcher",
+    "FileWatcher",
     "RoleReporter",
     "StalenessAccounting",
     "corrected_policy_loss",
@@ -68,6 +69,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 ACCOUNTING_FILE = "trainer-accounting.json"
 """Written by trainer rank 0 into ``output_dir``: staleness histogram, drops, dedup, lag."""
@@ -77,43 +79,57 @@ MAX_LAG_SAMPLES = 10_000
 # ------------------------------------------------------------------------------ live control
 
 
-class ControlWatcher:
-    """Re-reads ``control.json`` (beside the config file) at most every ``interval_s`` seconds.
+class FileWatcher(Generic[M]):
+    """Re-reads a JSON file into a pydantic model at most every ``interval_s`` seconds.
 
-    In a pod the operator updates that key of the config ConfigMap and the kubelet swaps the
-    mounted file; locally anyone may write the file. A missing or malformed file leaves the last
-    good value (the default ``Control()`` at first), so a bad edit never stops a worker.
+    In a pod the operator updates the config ConfigMap and the kubelet swaps the mounted files;
+    locally anyone may write them. A missing or malformed file leaves the last good value (the
+    initial one at first), so a bad edit never stops a worker.
     """
 
-    def __init__(self, path: str | Path, *, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, path: str | Path, model: type[M], initial: M, *, interval_s: float = 1.0
+    ) -> None:
         self.path = Path(path)
+        self.model = model
+        self.value = initial
         self.interval_s = interval_s
-        self.control = Control()
         self._checked_at = -math.inf
         self._raw: str | None = None
+
+    def poll(self, now: float | None = None) -> M:
+        """The current value (re-read when ``interval_s`` passed since the last read)."""
+        moment = time.monotonic() if now is None else now
+        if moment - self._checked_at < self.interval_s:
+            return self.value
+        self._checked_at = moment
+        try:
+            raw = self.path.read_text()
+        except OSError:
+            return self.value
+        if raw != self._raw:
+            self._raw = raw
+            try:
+                self.value = self.model.model_validate_json(raw)
+            except ValidationError as err:
+                log.warning("ignoring %s: %s", self.path, err.errors()[0]["msg"])
+        return self.value
+
+
+class ControlWatcher(FileWatcher[Control]):
+    """The live control (``control.json`` beside the config file): the degrade actions."""
+
+    def __init__(self, path: str | Path, *, interval_s: float = 1.0) -> None:
+        super().__init__(path, Control, Control(), interval_s=interval_s)
 
     @classmethod
     def beside(cls, config_path: str | Path, *, interval_s: float = 1.0) -> ControlWatcher:
         """The watcher of ``<directory of config_path>/control.json``."""
         return cls(Path(config_path).parent / CONTROL_KEY, interval_s=interval_s)
 
-    def poll(self, now: float | None = None) -> Control:
-        """The current control (re-read when ``interval_s`` passed since the last read)."""
-        moment = time.monotonic() if now is None else now
-        if moment - self._checked_at < self.interval_s:
-            return self.control
-        self._checked_at = moment
-        try:
-            raw = self.path.read_text()
-        except OSError:
-            return self.control
-        if raw != self._raw:
-            self._raw = raw
-            try:
-                self.control = Control.model_validate_json(raw)
-            except ValidationError as err:
-                log.warning("ignoring %s: %s", self.path, err.errors()[0]["msg"])
-        return self.control
+    @property
+    def control(self) -> Control:
+        return self.value
 
 
 def effective_max_versions(*limits: int | None) -> int | None:

@@ -63,6 +63,7 @@ from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.ddp import init_process_group_from_env, wrap_ddp
 from rljob_workers.disaggregated import (
     ControlWatcher,
+    FileWatcher,
     RoleReporter,
     StalenessAccounting,
     corrected_policy_loss,
@@ -329,6 +330,7 @@ class _Servers:
         )
         self.experience.set_policy_version(version)
         self.control = ControlWatcher.beside(env.config_path)
+        self.live = FileWatcher(env.config_path, WorkerConfig, config)
 
     def start(self) -> None:
         self.experience.start()
@@ -336,13 +338,21 @@ class _Servers:
         log.info("experience on %s, weights on %s", self.experience.url, self.weights.url)
 
     def apply_control(self) -> int | None:
-        """Apply a tightened ``max_versions`` from the live control; return the bound in force."""
+        """Apply the live settings — buffer aging and capacity, the staleness bound, weight-sync
+        compression from the (re-mounted) config, and a tightened ``max_versions`` from the live
+        control — without a restart; return the staleness bound in force."""
+        live = self.live.poll()
+        ages = [live.buffer.max_age_seconds, live.staleness.max_age_seconds]
+        self.configured_max_versions = live.staleness.max_versions
         limit = effective_max_versions(
             self.configured_max_versions, self.control.poll().max_versions
         )
         with self.experience.locked():
+            self.buffer.capacity = live.buffer.capacity
+            self.buffer.max_age_seconds = min((a for a in ages if a is not None), default=None)
             self.buffer.max_staleness_versions = limit
             self.experience.max_versions = limit
+        self.weights.compression = live.weight_sync.compression
         return limit
 
     def close(self) -> None:
