@@ -175,8 +175,11 @@ def test_serviceaccount_without_grants_is_forbidden_until_rolebinding(
     assert cluster.kubectl("get", "pods", "-n", "default", token=token, check=False).returncode != 0
 
 
+# SIGINT may be ignored when the test runs from a non-interactive background shell; a user's
+# terminal delivers Ctrl-C, so the starter restores Python's default handling first.
 _STARTER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from pathlib import Path
     from e2e.cluster import LocalCluster
     c = LocalCluster(Path(sys.argv[1]), gpu_nodes=1, tie_to_parent=True)

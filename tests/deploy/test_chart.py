@@ -39,6 +39,8 @@ WORKLOAD_RULES = [
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["list", "create", "patch"]},
+    {"apiGroups": ["scheduling.x-k8s.io", "scheduling.volcano.sh"], "resources": ["podgroups"],
+     "verbs": ["list", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]  # fmt: skip
 CLUSTER_READS = [

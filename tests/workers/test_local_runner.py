@@ -197,8 +197,11 @@ def test_run_local_failing_process_stops_all_children(tiny_model, tmp_path, monk
     assert _processes_of_run(workdir) == []
 
 
+# A background CI shell starts its children with SIGINT ignored (no job control); a user's terminal
+# does not, so restore Python's Ctrl-C handling the way an interactive session has it.
 INTERRUPTIBLE_RUN = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from rljob_workers.config import WorkerConfig
 from rljob_workers.local_runner import run_local
 config = WorkerConfig.parse(open(sys.argv[1]).read())

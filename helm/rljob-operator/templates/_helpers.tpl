@@ -59,6 +59,8 @@ apply.py, handlers.py and what kopf itself calls):
   Role grants configmaps get/patch, which the operator must hold itself (RBAC escalation
   prevention).
 - secrets: get by name (the job's token), create+patch (server-side apply); never list or watch.
+- podgroups (scheduler-plugins, Volcano): list (observe), create+patch (server-side apply) for
+  spec.scheduling.gang.
 - events: create (the operator's and kopf's Events).
 */}}
 {{- define "rljob-operator.workloadRules" -}}
@@ -82,6 +84,9 @@ apply.py, handlers.py and what kopf itself calls):
   verbs: ["get", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
+  verbs: ["list", "create", "patch"]
+- apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh"]
+  resources: ["podgroups"]
   verbs: ["list", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
