@@ -60,7 +60,7 @@ from rljob_workers.checkpoint import (
 )
 from rljob_workers.config import ProcessEnv, TaskConfig, WorkerConfig
 from rljob_workers.engine import RolloutEngine, make_engine
-from rljob_workers.metrics import MetricsLog, WorkerMetrics, metrics_log_path
+from rljob_workers.metrics import MetricsLog, WorkerMetrics, finite_or_none, metrics_log_path
 from rljob_workers.policy import (
     DTYPES,
     PolicyModel,
@@ -814,7 +814,7 @@ class _StepReporter:
             dropped={"no_signal": self.dropped},
             last_checkpoint=self.last_checkpoint,
             tokens_per_second=record.get("tokens_per_s"),
-            reward_mean=_finite_or_none(record.get("reward_mean")),
+            reward_mean=finite_or_none(record.get("reward_mean")),
             done=done,
         )
         try:
@@ -826,10 +826,6 @@ class _StepReporter:
         """Close the JSONL file and stop the endpoint."""
         self.sink.close()
         self.exporter.close()
-
-
-def _finite_or_none(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def run_colocated(

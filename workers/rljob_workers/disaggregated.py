@@ -50,6 +50,7 @@ from rljob_workers.config import (
     Progress,
     WorkerConfig,
 )
+from rljob_workers.metrics import finite_or_none
 
 __all__ = [
     "ACCOUNTING_FILE",
@@ -200,13 +201,6 @@ class RoleReporter:
         """Close the JSONL file and stop the endpoint."""
         self.sink.close()
         self.exporter.close()
-
-
-def finite_or_none(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number, else None (JSON and Progress safe)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 # ------------------------------------------------------------------------- off-policy loss

@@ -209,3 +209,10 @@ def read_metrics_log(path: str | Path) -> list[dict[str, Any]]:
             else:
                 extra.append(record)
     return [by_step[step] for step in sorted(by_step)] + extra
+
+
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None (JSON and Progress safe)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
