@@ -20,9 +20,6 @@ rank 2 5.4e-3. The tolerances below allow roughly 10x (fp16, bf16) and 3x (Power
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +29,7 @@ from torch import nn
 
 from rljob_workers.config import GradientCompressionConfig
 from rljob_workers.ddp import init_process_group_from_env, wrap_ddp
+from tests.workers.gloo_ranks import run_two_ranks
 
 STEPS = 10
 LR = 0.1
@@ -86,36 +84,10 @@ def rank_main(out_dir: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("ddp")
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, __file__, str(out_dir)]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        try:
-            _, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("DDP ranks did not finish within 300 s")
-        assert proc.returncode == 0, stderr[-3000:]
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return run_two_ranks(__file__, out_dir, "DDP")
 
 
 def test_init_process_group_from_env_missing_variables_named() -> None:

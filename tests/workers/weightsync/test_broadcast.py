@@ -14,9 +14,6 @@ Each rank is this file run as a script in its own process.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from torch import nn
 
 from rljob_workers.ddp import init_process_group_from_env
 from rljob_workers.weightsync import broadcast_weights
+from tests.workers.gloo_ranks import run_two_ranks
 
 COMPRESSIONS = ("none", "bf16", "fp8")
 BOUNDS = {"none": 0.0, "bf16": 2**-8, "fp8": 2**-4}
@@ -66,36 +64,10 @@ def rank_main(out_dir: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("broadcast")
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, __file__, str(out_dir)]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        try:
-            _, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("broadcast ranks did not finish within 300 s")
-        assert proc.returncode == 0, stderr[-3000:]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(__file__, out_dir, "broadcast")
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)

@@ -1,0 +1,48 @@
+"""Launch a test script as two real gloo ranks (separate processes on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return int(probe.getsockname()[1])
+
+
+def run_two_ranks(script: str, out_dir: Path, what: str, timeout: float = 300) -> list[Any]:
+    """Run ``python script out_dir`` as ranks 0 and 1; return what each saved in rank<r>.pt."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1",
+            # the script imports this module too: let it find the repository's ``tests`` package
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        cmd = [sys.executable, script, str(out_dir)]
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{what} ranks did not finish within {timeout:.0f} s")
+        assert proc.returncode == 0, stderr[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
