@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from rljob_operator import metrics
 from rljob_operator.api import GROUP, PLURAL, VERSION
@@ -78,6 +79,12 @@ async def on_daemon_rljob(
             wake.clear()
             try:
                 delay = await asyncio.to_thread(reconcile_once, namespace, name)
+            except ApiException as exc:
+                if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
+                    log.info("namespace %s is terminating; %s will go with it", namespace, name)
+                else:
+                    log.exception("reconcile of %s/%s failed; retrying", namespace, name)
+                delay = 2.0
             except Exception:  # a failed pass is retried; the operator never crashes on one job
                 log.exception("reconcile of %s/%s failed; retrying", namespace, name)
                 delay = 2.0

@@ -500,6 +500,7 @@ def test_rljob_run_local_dapo_example_vllm_2_rollouts_2_trainers_learns(tiny_mod
         }
     )
     spec["rollout"]["sampling"] = {"maxTokens": 2}
+    spec["staleness"]["maxVersions"] = 1  # fresher data: 2-behind batches slowed learning
     spec["totalSteps"] = LEARNING_STEPS
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
