@@ -58,9 +58,9 @@ from rljob_workers.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from rljob_workers.config import ProcessEnv, TaskConfig, WorkerConfig
+from rljob_workers.config import ProcessEnv, Progress, TaskConfig, WorkerConfig
 from rljob_workers.engine import RolloutEngine, make_engine
-from rljob_workers.metrics import MetricsLog, WorkerMetrics, finite_or_none, metrics_log_path
+from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import (
     DTYPES,
     PolicyModel,
@@ -770,62 +770,40 @@ def _max_model_len(model_path: str) -> int:
     return min(int(raw.get("max_position_embeddings", MAX_MODEL_LEN)), MAX_MODEL_LEN)
 
 
-class _StepReporter:
-    """Fans a step record out: JSONL file, Prometheus, operator heartbeat and the log."""
+class _StepReporter(RoleReporter):
+    """A colocated actor's reporter: each step record also becomes the operator heartbeat."""
 
     def __init__(self, config: WorkerConfig, env: ProcessEnv) -> None:
-        from rljob_workers.heartbeat import heartbeat_from_env
-
-        self.config = config
-        self.env = env
-        self.exporter = WorkerMetrics(job=config.job_name, role=env.role, rank=env.rank)
-        port = self.exporter.serve(config.endpoints.metrics_port)
-        log.info("metrics on http://127.0.0.1:%d/metrics", port)
-        self.sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
-        self.heartbeat = heartbeat_from_env(
-            config.job_namespace, config.job_name, config.output_dir
-        )
+        super().__init__(config, env, heartbeat=True)
         self.dropped = 0
         self.last_checkpoint: str | None = None
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self.sink.write({**record, "role": self.env.role, "rank": self.env.rank})
-        self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
-        dropped = int(record.get("dropped_samples", 0))
-        self.exporter.count_dropped("no_signal", dropped)
-        self.dropped += dropped
+        self.dropped += int(record.get("dropped_samples", 0))
+        self.record(record, dropped={"no_signal": self.dropped})
         self.last_checkpoint = record.get("checkpoint") or self.last_checkpoint
-        self.beat(record, done=record["step"] >= self.config.total_steps)
+        self.report_step(record, done=record["step"] >= self.config.total_steps)
         log.info(format_step(record, self.config.total_steps))
 
-    def beat(self, record: dict[str, Any], *, done: bool) -> None:
-        """Report progress to the operator; a failed report is logged, never fatal."""
-        from rljob_workers.config import Progress
-
-        progress = Progress(
-            role=self.env.role,
-            replica=self.env.replica,
-            time=time.time(),
-            step=int(record.get("step", 0)),
-            policy_version=int(record.get("policy_version", 0)),
-            policy_lag_ms=record.get("policy_lag_ms"),
-            policy_lag_versions=record.get("policy_lag_versions"),
-            buffer_age_seconds=record.get("buffer_age_s"),
-            dropped={"no_signal": self.dropped},
-            last_checkpoint=self.last_checkpoint,
-            tokens_per_second=record.get("tokens_per_s"),
-            reward_mean=finite_or_none(record.get("reward_mean")),
-            done=done,
+    def report_step(self, record: dict[str, Any], *, done: bool) -> None:
+        """The step's Progress heartbeat (a failed report is logged, never fatal)."""
+        self.beat(
+            Progress(
+                role=self.env.role,
+                replica=self.env.replica,
+                time=time.time(),
+                step=int(record.get("step", 0)),
+                policy_version=int(record.get("policy_version", 0)),
+                policy_lag_ms=record.get("policy_lag_ms"),
+                policy_lag_versions=record.get("policy_lag_versions"),
+                buffer_age_seconds=record.get("buffer_age_s"),
+                dropped={"no_signal": self.dropped},
+                last_checkpoint=self.last_checkpoint,
+                tokens_per_second=record.get("tokens_per_s"),
+                reward_mean=finite_or_none(record.get("reward_mean")),
+                done=done,
+            )
         )
-        try:
-            self.heartbeat.write(progress)
-        except OSError as exc:
-            log.warning("progress report failed: %s", exc)
-
-    def close(self) -> None:
-        """Close the JSONL file and stop the endpoint."""
-        self.sink.close()
-        self.exporter.close()
 
 
 def run_colocated(

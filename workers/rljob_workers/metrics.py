@@ -24,10 +24,15 @@ from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
+from rljob_workers.heartbeat import heartbeat_from_env
+
 __all__ = [
     "STEP_GAUGES",
     "MetricsLog",
+    "RoleReporter",
     "WorkerMetrics",
+    "finite_or_none",
     "metrics_log_path",
     "read_metrics_log",
 ]
@@ -216,3 +221,50 @@ def finite_or_none(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+class RoleReporter:
+    """Fans one process's records out: JSONL file, Prometheus endpoint, heartbeat and the log.
+
+    Every process of both roles writes ``metrics-<role>-<rank>.jsonl`` and serves ``/metrics``
+    (``endpoints.metrics_port``; a port in use falls back to a free one). Only processes that
+    report to the operator (trainer rank 0 and every rollout) get a heartbeat writer.
+    """
+
+    def __init__(self, config: WorkerConfig, env: ProcessEnv, *, heartbeat: bool) -> None:
+        self.config = config
+        self.env = env
+        self.exporter = WorkerMetrics(job=config.job_name, role=env.role, rank=env.rank)
+        self.metrics_port = self.exporter.serve(config.endpoints.metrics_port)
+        log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+        self.sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
+        self.heartbeat = (
+            heartbeat_from_env(config.job_namespace, config.job_name, config.output_dir)
+            if heartbeat
+            else None
+        )
+        self._dropped_exported: dict[str, int] = {}
+
+    def record(
+        self, record: Mapping[str, Any], *, dropped: Mapping[str, int] | None = None
+    ) -> None:
+        """Write one record; ``dropped`` (cumulative counts by reason) feeds the counters."""
+        self.sink.write({**record, "role": self.env.role, "rank": self.env.rank})
+        self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
+        for reason, total in (dropped or {}).items():
+            self.exporter.count_dropped(reason, total - self._dropped_exported.get(reason, 0))
+            self._dropped_exported[reason] = total
+
+    def beat(self, progress: Progress) -> None:
+        """Report progress to the operator; a failed report is logged, never fatal."""
+        if self.heartbeat is None:
+            return
+        try:
+            self.heartbeat.write(progress)
+        except OSError as exc:
+            log.warning("progress report failed: %s", exc)
+
+    def close(self) -> None:
+        """Close the JSONL file and stop the endpoint."""
+        self.sink.close()
+        self.exporter.close()

@@ -20,10 +20,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 from rljob_workers.buffer import Trajectory
-from rljob_workers.transport.auth import AuthError, bearer_header
+from rljob_workers.transport.auth import AuthError, bearer_header, http_endpoint
 from rljob_workers.transport.codec import CONTENT_TYPE, encode_trajectories
 
 __all__ = ["ClientStats", "ControlAnswer", "ExperienceClient"]
@@ -78,10 +78,7 @@ class ExperienceClient:
         backoff_max_s: float = 2.0,
         seed: int | None = None,
     ) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"url: expected http://host:port, got {url!r}")
-        self._host, self._port = parts.hostname, parts.port or 80
+        self._host, self._port = http_endpoint(url)
         self._headers = bearer_header(token)
         self.batch_size = batch_size
         self.max_pending = max_pending

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 import torch
 
-from rljob_workers.transport.auth import AuthError, bearer_header
+from rljob_workers.transport.auth import AuthError, bearer_header, http_endpoint
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
     BadRequest,
@@ -182,10 +182,7 @@ class WeightClient:
         request_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"url: expected http://host:port, got {url!r}")
-        self._host, self._port = parts.hostname, parts.port or 80
+        self._host, self._port = http_endpoint(url)
         self._headers = bearer_header(token)
         self.request_timeout_s = request_timeout_s
         self._clock = clock
