@@ -22,9 +22,18 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DROP_REASONS", "ExperienceBuffer", "Trajectory"]
+__all__ = ["DROP_REASONS", "ExperienceBuffer", "Trajectory", "is_too_stale"]
 
 DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate")
+
+
+def is_too_stale(behind: int, max_versions: int | None) -> bool:
+    """Whether data ``behind`` versions old breaks the bound ``max_versions`` (None: no bound).
+
+    The one staleness rule of the project: ``behind > max_versions``. At ``max_versions = 0``
+    only data of the current version is fresh enough.
+    """
+    return max_versions is not None and behind > max_versions
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,7 @@ class ExperienceBuffer:
     ) -> str | None:
         limit = self.max_staleness_versions
         behind = None if current_version is None else current_version - trajectory.policy_version
-        if limit is not None and behind is not None and behind > limit:
+        if behind is not None and is_too_stale(behind, limit):
             return "stale_version"
         age_limit = self.max_age_seconds
         if age_limit is not None and now - trajectory.created_at > age_limit:

@@ -10,16 +10,29 @@ on the first token and RL has a non-zero signal to climb from):
 A dataset can also come from a JSONL file with one ``{"prompt": ..., "answer": ...}`` per line.
 Rewards are plain functions ``(response_text, answer) -> float``; the default is
 ``exact_match_reward``, another can be plugged in by import path ``"package.module:function"``.
+
+Both topologies draw their prompts and score their samples here: ``load_task_data`` (prompts,
+answers and reward of a job), ``PromptSampler`` (the checkpointable, reshuffled walk over them)
+and ``score_groups`` (task reward, DAPO overlong shaping, and the groups a non-finite reward
+disqualifies).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rljob_workers.config import OverlongConfig, TaskConfig
+
+log = logging.getLogger(__name__)
 
 RewardFunction = Callable[[str, str], float]
 
@@ -188,3 +201,131 @@ def load_reward_function(path: str) -> RewardFunction:
         raise ValueError(f"reward function {path!r}: {attribute!r} is not callable")
     reward: RewardFunction = function
     return reward
+
+
+# ------------------------------------------------------------------ a job's data and sampling
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """The prompts to train on, their reference answers and the reward function."""
+
+    prompts: Sequence[str]
+    answers: Sequence[str]
+    reward: RewardFunction
+
+
+def load_task_data(task: TaskConfig) -> TaskData:
+    """Prompts, answers and reward of the job's task (built-in toy task or JSONL dataset)."""
+    source = task.dataset_path if task.dataset_path is not None else task.builtin
+    if source is None:
+        raise ValueError("spec.task: set builtin (a toy task) or datasetPath")
+    examples = load_examples(source, task.num_prompts, seed=task.task_seed)
+    reward = (
+        exact_match_reward
+        if task.reward_function is None
+        else load_reward_function(task.reward_function)
+    )
+    return TaskData(
+        prompts=[e.prompt for e in examples], answers=[e.answer for e in examples], reward=reward
+    )
+
+
+def mix_seed(*parts: int) -> int:
+    """A deterministic 31-bit seed from integers (e.g. ``(seed, step, rank)``)."""
+    value = 0x9E3779B1
+    for part in parts:
+        value = (value * 1_000_003 + part + 0x7F4A7C15) % (2**61 - 1)
+    return value % (2**31 - 1)
+
+
+class PromptSampler:
+    """Endless, reshuffled-per-epoch walk over ``size`` prompts; its cursor is checkpointable."""
+
+    def __init__(self, size: int, *, seed: int) -> None:
+        if size < 1:
+            raise ValueError("spec.task: the task has no prompts")
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        import torch
+
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, 7919))
+        return [int(i) for i in torch.randperm(self.size, generator=generator)]
+
+    def next_indices(self, count: int) -> list[int]:
+        """The next ``count`` prompt indices, crossing into a new shuffled epoch as needed."""
+        taken: list[int] = []
+        while len(taken) < count:
+            if self.position == self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(taken), self.size - self.position)
+            taken.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return taken
+
+    def state_dict(self) -> dict[str, int]:
+        """The cursor: ``{"epoch", "position"}``."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a cursor saved by ``state_dict``."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+@dataclass(frozen=True)
+class GroupScores:
+    """Scores of ``len(rewards) // n`` contiguous groups of ``n`` samples.
+
+    ``rewards`` are the task rewards, ``scores`` what the advantages see (rewards plus DAPO's
+    overlong penalty), ``valid[g]`` whether group ``g`` may be trained on: a group with a NaN or
+    infinite reward would turn every advantage of the step into NaN, so it is left out.
+    """
+
+    rewards: list[float]
+    scores: list[float]
+    valid: list[bool]
+
+    @property
+    def invalid_samples(self) -> int:
+        """Samples in groups left out for a non-finite reward."""
+        group = len(self.rewards) // max(1, len(self.valid))
+        return group * sum(1 for ok in self.valid if not ok)
+
+
+def score_groups(
+    reward: RewardFunction,
+    texts: Sequence[str],
+    answers: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    n: int,
+    overlong: OverlongConfig,
+) -> GroupScores:
+    """Score samples laid out as contiguous groups of ``n`` (one answer per sample)."""
+    rewards = [float(reward(text, answer)) for text, answer in zip(texts, answers, strict=True)]
+    scores = list(rewards)
+    if overlong.enabled:
+        import torch
+
+        from rljob_workers.algos import overlong_reward_penalty
+
+        penalty = overlong_reward_penalty(
+            torch.tensor(list(lengths)),
+            max_len=overlong.max_length,
+            cache_len=overlong.cache_length,
+        )
+        scores = [r + float(p) for r, p in zip(rewards, penalty, strict=True)]
+    valid = [all(math.isfinite(s) for s in scores[g : g + n]) for g in range(0, len(scores), n)]
+    if not all(valid):
+        log.warning(
+            "the reward function returned a NaN or infinite value for %d group(s): left out",
+            valid.count(False),
+        )
+    return GroupScores(rewards, scores, valid)

@@ -11,6 +11,7 @@ import math
 import torch
 
 from rljob_workers.algos import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
+from rljob_workers.algos.kl import KL_VALUE_LIMIT
 
 
 def test_kl_estimators_match_hand_values() -> None:
@@ -36,3 +37,14 @@ def test_kl_k3_identical_policies_zero_otherwise_non_negative() -> None:
 
 def test_kl_estimator_table_names_all_estimators() -> None:
     assert {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3} == KL_ESTIMATORS
+
+
+def test_kl_k3_huge_log_ratio_is_clamped_to_the_limit() -> None:
+    # one token the reference likes e^30 times more than the policy: unclamped k3 ~ 5e8
+    logp = torch.tensor([[-31.0, -1.0]], dtype=torch.float64)
+    ref_logp = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+
+    value = kl_k3(logp, ref_logp)
+
+    assert value[0, 0] <= 10.0 and value[0, 0] == KL_VALUE_LIMIT
+    assert value[0, 1] == 0.0

@@ -218,3 +218,42 @@ def test_tis_non_positive_cap_raises() -> None:
     logp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="tis_cap must be > 0"):
         tis_policy_loss(logp, logp, logp, logp, logp, clip_low=0.2, clip_high=0.2, tis_cap=0.0)
+
+
+def test_decoupled_ppo_behaviour_weight_above_cap_drops_token() -> None:
+    # token 0: w = e^10 (a behaviour policy that almost never picks this token): AReaL drops it
+    prox = f64([[-1.0, -1.0]])
+    behav = f64([[-11.0, -1.0]])
+    logp = prox.clone().requires_grad_()
+    advantages, mask = f64([[1.0, 1.0]]), f64([[1, 1]])
+
+    loss, metrics = decoupled_ppo_policy_loss(
+        logp, prox, behav, advantages, mask, clip_low=0.2, clip_high=0.2
+    )
+    loss.sum().backward()
+
+    torch.testing.assert_close(loss.detach(), f64([[0.0, -1.0]]))
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, f64([[0.0, -1.0]]))
+    assert metrics["is_weight_dropped_fraction"] == pytest.approx(0.5)
+    assert metrics["is_weight_max"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("loss_name", ["decoupled-ppo", "tis"])
+def test_off_policy_losses_dual_clip_bounds_negative_advantage_tokens(loss_name: str) -> None:
+    # r = 10 on a token with A = -1: PPO clip gives 10 (max of -A r and -A clip(r)); dual clip 3
+    prox = f64([[-2.0, -2.0]])
+    logp = (prox + f64([[math.log(10.0), 0.0]])).requires_grad_()
+    advantages, mask = f64([[-1.0, -1.0]]), f64([[1, 1]])
+    kwargs = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}
+
+    if loss_name == "tis":
+        loss, metrics = tis_policy_loss(logp, prox, prox, advantages, mask, tis_cap=2.0, **kwargs)
+    else:
+        loss, metrics = decoupled_ppo_policy_loss(logp, prox, prox, advantages, mask, **kwargs)
+    loss.sum().backward()
+
+    torch.testing.assert_close(loss.detach(), f64([[3.0, 1.0]]))
+    assert logp.grad is not None
+    assert logp.grad[0, 0] == 0.0
+    assert metrics["dual_clip_fraction"] == pytest.approx(0.5)

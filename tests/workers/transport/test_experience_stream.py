@@ -9,7 +9,8 @@ Aspects under test:
   restart mid-stream both end with every trajectory in the buffer exactly once;
 - a trainer down past the deadline: the flush times out, keeps the trajectories and delivers
   them on a later flush;
-- backpressure: hold exactly when ``current - version >= max_versions``, never without a bound;
+- backpressure: hold exactly when ``current - version > max_versions`` (the buffer's drop rule;
+  at bound 0 a rollout on the current version generates), never without a bound;
 - stale trajectories are acked (no endless retry) but dropped by the buffer and counted;
 - malformed batches get 400 naming the line and field; a full client refuses more submits.
 """
@@ -244,9 +245,16 @@ def test_client_trainer_down_past_deadline_keeps_and_later_delivers(buffer) -> N
 
 @pytest.mark.parametrize(
     ("current", "rollout", "bound", "hold"),
-    [(5, 3, 2, True), (5, 4, 2, False), (5, 5, 0, True), (9, 0, None, False), (3, 4, 1, False)],
+    [
+        (5, 2, 2, True),
+        (5, 3, 2, False),
+        (5, 5, 0, False),
+        (6, 5, 0, True),
+        (9, 0, None, False),
+        (3, 4, 1, False),
+    ],
 )
-def test_should_hold_staleness_bound_reached_holds(current, rollout, bound, hold) -> None:
+def test_should_hold_beyond_bound_holds(current, rollout, bound, hold) -> None:
     assert should_hold(current, rollout, bound) is hold
 
 
@@ -254,10 +262,10 @@ def test_client_control_reports_version_and_hold(server) -> None:
     client = ExperienceClient(server.url, TOKEN)
     server.set_policy_version(7)
 
-    behind_limit = client.control(5)
-    within = client.control(6)
+    behind_limit = client.control(4)
+    within = client.control(5)
 
-    assert behind_limit.hold and behind_limit.behind == 2 and behind_limit.policy_version == 7
+    assert behind_limit.hold and behind_limit.behind == 3 and behind_limit.policy_version == 7
     assert not within.hold and within.max_versions == 2
 
 

@@ -11,9 +11,21 @@ from rljob_workers.algos.advantages import (
     compute_grpo_advantages,
     group_has_signal,
 )
-from rljob_workers.algos.aggregation import AGGREGATION_MODES, AggregationMode, aggregate_loss
+from rljob_workers.algos.aggregation import (
+    AGGREGATION_MODES,
+    AggregationMode,
+    aggregate_loss,
+    loss_denominator,
+)
 from rljob_workers.algos.dapo import dynamic_sampling_keep_mask, overlong_reward_penalty
-from rljob_workers.algos.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
+from rljob_workers.algos.kl import (
+    KL_ESTIMATORS,
+    LOSS_KL_ESTIMATORS,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_reward_penalty,
+)
 from rljob_workers.algos.policy_loss import (
     decoupled_ppo_policy_loss,
     ppo_clip_policy_loss,
@@ -38,6 +50,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
+    "LOSS_KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AggregationMode",
     "aggregate_loss",
@@ -55,6 +68,8 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_reward_penalty",
+    "loss_denominator",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -13,10 +13,19 @@ from torch import Tensor
 
 from rljob_workers.algos.stats import check_same_shape, masked_mean
 
-__all__ = ["decoupled_ppo_policy_loss", "ppo_clip_policy_loss", "tis_policy_loss"]
+__all__ = [
+    "BEHAVIOUR_WEIGHT_DROP",
+    "decoupled_ppo_policy_loss",
+    "ppo_clip_policy_loss",
+    "tis_policy_loss",
+]
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to ``±LOG_RATIO_LIMIT`` before ``exp`` so a wild token cannot overflow."""
+BEHAVIOUR_WEIGHT_DROP = 5.0
+"""Decoupled PPO leaves out tokens whose behaviour weight ``exp(prox - behav)`` exceeds this (as
+AReaL does): such a token was sampled by a policy that almost never picks it any more, and its
+weight (up to ``exp(LOG_RATIO_LIMIT)``) would otherwise dominate the batch."""
 
 
 def _ratio(logp: Tensor, base_logp: Tensor) -> Tensor:
@@ -56,6 +65,19 @@ def _clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def _apply_dual_clip(
+    loss: Tensor, advantages: Tensor, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """Bound negative-advantage tokens at ``-c A``; returns the loss and where it applied."""
+    if dual_clip is None:
+        return loss, torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    bound = -dual_clip * advantages
+    applied = (advantages < 0) & (loss > bound)
+    return torch.where(applied, bound, loss), applied
+
+
 def ppo_clip_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -89,17 +111,11 @@ def ppo_clip_policy_loss(
     """
     check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     _check_clip(clip_low, clip_high)
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     log_ratio = logp - old_logp.detach()
     ratio = _ratio(logp, old_logp.detach())
     advantages = advantages.detach()
     loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
-    dual_clipped = torch.zeros_like(clipped)
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
-        dual_clipped = (advantages < 0) & (loss > bound)
-        loss = torch.where(dual_clipped, bound, loss)
+    loss, dual_clipped = _apply_dual_clip(loss, advantages, dual_clip)
     metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mask)
     metrics["clip_fraction"] = float(masked_mean(clipped.to(logp.dtype), mask))
     metrics["dual_clip_fraction"] = float(masked_mean(dual_clipped.to(logp.dtype), mask))
@@ -116,6 +132,8 @@ def decoupled_ppo_policy_loss(
     clip_low: float,
     clip_high: float,
     max_is_weight: float | None = None,
+    drop_above: float | None = BEHAVIOUR_WEIGHT_DROP,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Decoupled PPO (Hilton et al., 2022): clip around the proximal policy, correct to behaviour.
 
@@ -123,8 +141,10 @@ def decoupled_ppo_policy_loss(
     trainer's weights before this update) anchors the trust region. With
     ``r = exp(logp - prox_logp)`` and the detached weight ``w = exp(prox_logp - behav_logp)``
     (capped at ``max_is_weight`` when given):
-    ``loss = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
-    When ``prox_logp == behav_logp`` this is exactly ``ppo_clip_policy_loss``.
+    ``loss = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``, with the surrogate
+    dual-clipped first when ``dual_clip`` is set. Tokens whose raw weight exceeds
+    ``drop_above`` are left out (loss and gradient 0). When ``prox_logp == behav_logp`` this is
+    exactly ``ppo_clip_policy_loss``.
 
     Args:
         logp: ``[B, T]`` current-policy log-probs (differentiable).
@@ -135,33 +155,45 @@ def decoupled_ppo_policy_loss(
         clip_low: lower clip in ``[0, 1)``.
         clip_high: upper clip ``>= 0``.
         max_is_weight: cap on ``w`` (> 0), or None for no cap.
+        drop_above: leave out tokens with a larger raw weight (> 0), or None to keep all.
+        dual_clip: dual-clip constant ``c > 1`` (as in ``ppo_clip_policy_loss``), or None.
 
     Returns:
         ``(per_token_loss [B, T], metrics)``: the PPO metrics plus ``is_weight_mean``,
-        ``is_weight_max`` and ``is_weight_capped_fraction``.
+        ``is_weight_max``, ``is_weight_capped_fraction`` and ``is_weight_dropped_fraction``
+        (over the tokens kept), and ``dual_clip_fraction``.
     """
     check_same_shape(
         logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask
     )
     _check_clip(clip_low, clip_high)
-    if max_is_weight is not None and max_is_weight <= 0.0:
-        raise ValueError(f"max_is_weight must be > 0 (or None), got {max_is_weight}")
+    for name, value in (("max_is_weight", max_is_weight), ("drop_above", drop_above)):
+        if value is not None and value <= 0.0:
+            raise ValueError(f"{name} must be > 0 (or None), got {value}")
     prox_logp, behav_logp = prox_logp.detach(), behav_logp.detach()
+    advantages = advantages.detach()
     ratio = _ratio(logp, prox_logp)
-    surrogate, clipped = _clipped_surrogate(ratio, advantages.detach(), clip_low, clip_high)
+    surrogate, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    surrogate, dual_clipped = _apply_dual_clip(surrogate, advantages, dual_clip)
     raw_weight = _ratio(prox_logp, behav_logp)
     weight = raw_weight if max_is_weight is None else torch.clamp(raw_weight, max=max_is_weight)
-    metrics = _ratio_metrics(ratio.detach(), (logp - prox_logp).detach(), mask)
-    metrics["clip_fraction"] = float(masked_mean(clipped.to(logp.dtype), mask))
-    metrics.update(_weight_metrics(raw_weight, weight, mask))
-    return _zero_padding(weight * surrogate, mask), metrics
+    dropped = torch.zeros_like(mask, dtype=torch.bool)
+    if drop_above is not None:
+        dropped = mask.to(torch.bool) & (raw_weight > drop_above)
+    kept = torch.where(dropped, torch.zeros_like(mask), mask)
+    metrics = _ratio_metrics(ratio.detach(), (logp - prox_logp).detach(), kept)
+    metrics["clip_fraction"] = float(masked_mean(clipped.to(logp.dtype), kept))
+    metrics["dual_clip_fraction"] = float(masked_mean(dual_clipped.to(logp.dtype), kept))
+    metrics.update(_weight_metrics(raw_weight, weight, kept))
+    metrics["is_weight_dropped_fraction"] = float(masked_mean(dropped.to(logp.dtype), mask))
+    return _zero_padding(weight * surrogate, kept), metrics
 
 
 def _weight_metrics(raw_weight: Tensor, weight: Tensor, mask: Tensor) -> dict[str, float]:
     valid = mask.to(torch.bool)
     capped = (raw_weight > weight).to(weight.dtype)
     return {
-        "is_weight_mean": float(masked_mean(weight, mask)),
+        "is_weight_mean": float(masked_mean(weight, mask)) if bool(valid.any()) else 1.0,
         "is_weight_max": float(weight[valid].max()) if bool(valid.any()) else 1.0,
         "is_weight_capped_fraction": float(masked_mean(capped, mask)),
     }
@@ -177,6 +209,7 @@ def tis_policy_loss(
     clip_low: float,
     clip_high: float,
     tis_cap: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clip times a truncated importance weight for the rollout/trainer mismatch (TIS).
 
@@ -194,6 +227,7 @@ def tis_policy_loss(
         clip_low: lower clip in ``[0, 1)``.
         clip_high: upper clip ``>= 0``.
         tis_cap: truncation ``C > 0`` of the importance weight.
+        dual_clip: dual-clip constant ``c > 1``, or None.
 
     Returns:
         ``(per_token_loss [B, T], metrics)`` as ``decoupled_ppo_policy_loss``.
@@ -209,4 +243,6 @@ def tis_policy_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         max_is_weight=tis_cap,
+        drop_above=None,
+        dual_clip=dual_clip,
     )

@@ -13,8 +13,9 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <job token>``):
 
       {"policy_version": 7, "max_versions": 2, "behind": 1, "hold": false}
 
-  ``hold`` is true when ``policy_version - N >= max_versions``: the rollout should fetch newer
-  weights before generating more (never true when the bound is unset).
+  ``hold`` is true when ``policy_version - N > max_versions`` (the buffer's staleness rule,
+  ``buffer.is_too_stale``: what it generated now would be dropped): the rollout should fetch
+  newer weights before generating more (never true when the bound is unset).
 
 De-duplication: ids seen by this server are remembered, so a batch re-sent after a lost ack is
 acked again but offered to the sink only once; an ``ExperienceBuffer`` sink de-duplicates by id as
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 
-from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.buffer import ExperienceBuffer, Trajectory, is_too_stale
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
     BadRequest,
@@ -49,7 +50,7 @@ Sink = ExperienceBuffer | Callable[[Trajectory], bool]
 
 def should_hold(current_version: int, rollout_version: int, max_versions: int | None) -> bool:
     """Whether a rollout on ``rollout_version`` must hold back (``None`` bound: never)."""
-    return max_versions is not None and current_version - rollout_version >= max_versions
+    return is_too_stale(current_version - rollout_version, max_versions)
 
 
 @dataclass
