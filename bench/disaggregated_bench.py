@@ -207,8 +207,8 @@ def measure_policy_lag(steps: int, workdir: Path) -> dict[str, Any]:
         WeightSyncConfig,
         WorkerConfig,
     )
-    from rljob_workers.disaggregated import ACCOUNTING_FILE
     from rljob_workers.local_runner import run_local
+    from rljob_workers.staleness import ACCOUNTING_FILE
     from rljob_workers.tinymodel import build_tiny_model
 
     model = build_tiny_model(workdir / "model", seed=0)

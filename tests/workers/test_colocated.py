@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from rljob_workers.colocated import PromptSampler, build_colocated_runtime
+from rljob_workers.colocated import build_colocated_runtime
 from rljob_workers.config import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -36,6 +36,7 @@ from rljob_workers.config import (
 )
 from rljob_workers.engine import make_engine
 from rljob_workers.policy import PolicyModel, build_sequence_batch
+from rljob_workers.tasks import PromptSampler
 from rljob_workers.tinymodel import build_tiny_model
 
 ENV = ProcessEnv(role="actor")

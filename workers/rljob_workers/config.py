@@ -40,14 +40,19 @@ class AlgorithmConfig(_Model):
     clip_high: float = 0.2
     dual_clip: float | None = None
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="k2/k3: a loss term; k1: a detached per-token reward penalty"
+    )
     gamma: float = 1.0
     lam: float = 0.95
     group_size: int = 8
     dynamic_sampling: bool = False
     overlong: OverlongConfig = OverlongConfig()
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = (
-        "token-mean"
+    loss_aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = Field(
+        "token-mean",
+        description="seq-mean-token-sum-norm divides by rollout.sampling.max_tokens (Dr.GRPO)",
     )
     learning_rate: float = 1e-6
     critic_learning_rate: float = 1e-5

@@ -32,6 +32,7 @@ from rljob_workers.config import GradientCompressionConfig
 
 __all__ = [
     "DistributedContext",
+    "global_sum",
     "init_process_group_from_env",
     "register_compression_hook",
     "wrap_ddp",
@@ -151,3 +152,16 @@ def wrap_ddp(
         ddp, compression, process_group=process_group, start_powersgd_iter=start_powersgd_iter
     )
     return ddp
+
+
+def global_sum(values: list[float], *, distributed: bool) -> list[float]:
+    """Element-wise sum of ``values`` over every rank of the default group (float64).
+
+    ``distributed=False`` returns them unchanged, without any collective.
+    """
+    if not distributed:
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return [float(v) for v in tensor.cpu()]

@@ -214,13 +214,13 @@ def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     _seed_everything(config.seed + env.rank)
     _quiet_libraries()
     if env.role == "rollout":
-        from rljob_workers.disaggregated import run_rollout
+        from rljob_workers.rollout_worker import run_rollout_process
 
-        return run_rollout(config, env)
+        return run_rollout_process(config, env)
     if env.role == "trainer":
-        from rljob_workers.disaggregated import run_trainer
+        from rljob_workers.trainer_worker import run_trainer_process
 
-        return run_trainer(config, env)
+        return run_trainer_process(config, env)
     from rljob_workers.colocated import run_colocated
 
     return run_colocated(config, env)

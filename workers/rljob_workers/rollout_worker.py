@@ -6,12 +6,14 @@ A rollout process, in a loop until SIGTERM:
    sleeps between batches so it generates at that fraction of its normal rate;
 2. picks up newer weights if the trainer published any (one cheap request);
 3. asks the trainer's control endpoint how far behind it is, and HOLDS BACK (long-polls for
-   newer weights instead of generating) when anything it generated now would be at least
-   ``max_versions`` behind — the tighter of the trainer's bound and the live control's;
-4. generates ``n`` responses for each prompt of its shard's next batch, scores them, and
-   streams them at-least-once: each trajectory carries a unique id
+   newer weights instead of generating) when anything it generated now would be more than
+   ``max_versions`` behind (``staleness.must_hold``) — the tighter of the trainer's bound and the
+   live control's;
+4. generates ``n`` responses for each prompt of its shard's next batch, scores them (a group
+   with a non-finite reward is left out and counted), and streams them at-least-once: each
+   trajectory carries a unique id
    (``r<replica>.<boot id>-<group>-<sample>``; the boot id keeps a restarted replica's ids new),
-   its policy version, its creation time, the raw log-probs the engine sampled with, and
+   its policy version, its creation time, the log-probs the engine sampled with, and
    when this engine started serving that version (the trainer measures policy lag from it);
 5. reports progress.
 
@@ -22,7 +24,6 @@ the trainer, and the trainer never waits for it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import secrets
@@ -31,29 +32,22 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 
-from rljob_workers.algos import overlong_reward_penalty
 from rljob_workers.buffer import Trajectory
-from rljob_workers.colocated import MAX_MODEL_LEN, PromptSampler, TaskData, load_task_data
 from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
-from rljob_workers.disaggregated import (
-    ControlWatcher,
-    RoleReporter,
-    effective_max_versions,
-    finite_or_none,
-    must_hold,
-)
-from rljob_workers.engine import Completion, RolloutEngine, make_engine
-from rljob_workers.policy import DTYPES
+from rljob_workers.control import ControlWatcher
+from rljob_workers.engine import Completion, RolloutEngine, build_engine
+from rljob_workers.metrics import RoleReporter, finite_or_none
+from rljob_workers.staleness import effective_max_versions, must_hold
+from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, score_groups
 from rljob_workers.transport import ExperienceClient, token_from_env
 from rljob_workers.weightsync import WeightClient
 
-__all__ = ["RolloutWorker", "build_rollout_engine", "run_rollout_process", "shard_prompts"]
+__all__ = ["RolloutWorker", "run_rollout_process", "shard_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +64,6 @@ def shard_prompts(num_prompts: int, replica: int, replicas: int) -> list[int]:
     """Prompt indices of rollout ``replica`` out of ``replicas`` (all of them when too few)."""
     shard = [i for i in range(num_prompts) if i % max(1, replicas) == replica % max(1, replicas)]
     return shard or list(range(num_prompts))
-
-
-def build_rollout_engine(config: WorkerConfig, *, seed: int) -> RolloutEngine:
-    """The configured engine on the job's model (vLLM in-process, or transformers)."""
-    model = config.model
-    if config.rollout.engine == "vllm":
-        raw = json.loads((Path(model.path) / "config.json").read_text())
-        context = min(int(raw.get("max_position_embeddings", MAX_MODEL_LEN)), MAX_MODEL_LEN)
-        return make_engine(
-            "vllm", model.path, seed=seed, in_process=True, dtype=model.dtype, max_model_len=context
-        )
-    return make_engine("hf", model.path, seed=seed, device=config.device, dtype=DTYPES[model.dtype])
-
-
-def _shaped_scores(config: WorkerConfig, rewards: list[float], lengths: list[int]) -> list[float]:
-    overlong = config.algorithm.overlong
-    if not overlong.enabled:
-        return list(rewards)
-    penalty = overlong_reward_penalty(
-        torch.tensor(lengths), max_len=overlong.max_length, cache_len=overlong.cache_length
-    )
-    return [r + float(p) for r, p in zip(rewards, penalty, strict=True)]
 
 
 class RolloutWorker:
@@ -128,7 +100,7 @@ class RolloutWorker:
         boot_seed = secrets.randbits(31)
         self.sampler = PromptSampler(len(self.shard), seed=boot_seed)
         self.prompts_per_batch = max(1, math.ceil(config.algorithm.batch_size / env.world_size))
-        self.engine = engine or build_rollout_engine(config, seed=boot_seed)
+        self.engine = engine or build_engine(config, seed=boot_seed)
         self.control = ControlWatcher.beside(env.config_path)
         self.reporter = RoleReporter(config, env, heartbeat=True)
         self.batches = 0
@@ -139,6 +111,7 @@ class RolloutWorker:
         self.first_generation_version: int | None = None
         self.trainer_version: int | None = None
         self.held_s = 0.0
+        self.invalid_samples = 0
         self._rng = torch.Generator().manual_seed(boot_seed)
         self._last_beat = -math.inf
         self.records: list[dict[str, Any]] = []
@@ -251,19 +224,35 @@ class RolloutWorker:
         if self.first_generation_version is None:
             self.first_generation_version = version
         created = self.clock()
+        n = sampling.n
+        scored = score_groups(
+            self.task.reward,
+            [c.text for c in completions],
+            [self.task.answers[i] for i in indices for _ in range(n)],
+            [len(c.token_ids) for c in completions],
+            n=n,
+            overlong=self.config.algorithm.overlong,
+        )
+        self.invalid_samples += scored.invalid_samples
         trajectories: list[Trajectory] = []
-        for position, index in enumerate(indices):
-            group = completions[position * sampling.n : (position + 1) * sampling.n]
-            trajectories += self._group(group, self.task.answers[index], version, created)
+        for g, valid in enumerate(scored.valid):
+            if valid:
+                part = slice(g * n, (g + 1) * n)
+                trajectories += self._group(
+                    completions[part], scored.rewards[part], scored.scores[part], version, created
+                )
         return trajectories, sum(len(c.token_ids) for c in completions)
 
     def _group(
-        self, completions: list[Completion], answer: str, version: int, created: float
+        self,
+        completions: list[Completion],
+        rewards: list[float],
+        scores: list[float],
+        version: int,
+        created: float,
     ) -> list[Trajectory]:
         group_id = f"{self.incarnation}-{self.groups}"
         self.groups += 1
-        rewards = [float(self.task.reward(c.text, answer)) for c in completions]
-        scores = _shaped_scores(self.config, rewards, [len(c.token_ids) for c in completions])
         return [
             Trajectory(
                 id=f"{group_id}-{k}",
@@ -326,6 +315,7 @@ class RolloutWorker:
             "generate_time_s": generate_s,
             "step_time_s": batch_s,
             "held_s": self.held_s,
+            "dropped_nonfinite": self.invalid_samples,
             "acked": stats.acked,
             "pending": self.experience.pending,
             "retries": stats.retries,

@@ -6,17 +6,18 @@ One training step, on every rank of the trainer group:
    (evicting what is more than ``max_versions`` behind or older than the age limits; with DAPO
    dynamic sampling, groups without learning signal are dropped and more are awaited). It never
    waits for a particular rollout; while the buffer is short it reports ``starving``;
-2. rank 0 broadcasts the batch (``broadcast_object_list``); rank ``r`` trains groups
-   ``r, r + T, ...``: proximal log-probs with the weights before the update, group-relative
-   advantages, ``ppo_epochs`` x minibatch updates with the configured off-policy correction
-   (behaviour = the rollouts' log-probs), gradients averaged by DDP with the configured
-   compression hook;
+2. rank 0 broadcasts the batch (``broadcast_object_list``); rank ``r`` hands groups
+   ``r, r + T, ...`` to the ``Learner`` (the same one the colocated actor uses): proximal
+   log-probs with the weights before the update, advantages (group-relative, or GAE with a
+   trainer-side critic for PPO), ``ppo_epochs`` x minibatch updates with the configured
+   off-policy correction (behaviour = the rollouts' log-probs), gradients averaged by DDP with
+   the configured compression hook;
 3. the policy version is bumped; rank 0 publishes the weights over HTTP (compression per
    ``weight_sync.compression``), announces the version to the experience server, accounts
    the batch's staleness and the policy lag, checkpoints every ``checkpoint.every_steps``.
 
 A rank with no group in a minibatch steps with a zero-weight loss, so every rank runs the same
-number of DDP all-reduces.
+number of DDP all-reduces; the loss is divided by the token count of all ranks together.
 
 Step records (``metrics-trainer-<rank>.jsonl``) add to the common keys: ``reward_mean`` (task
 reward of every trajectory taken from the buffer this step, before DAPO's filter: what the
@@ -35,22 +36,12 @@ import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 
-from rljob_workers.algos import (
-    KL_ESTIMATORS,
-    aggregate_loss,
-    broadcast_advantages_to_tokens,
-    compute_dr_grpo_advantages,
-    compute_grpo_advantages,
-    masked_mean,
-)
+from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.checkpoint import (
     CheckpointState,
@@ -58,29 +49,24 @@ from rljob_workers.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from rljob_workers.colocated import MAX_SAMPLING_ROUNDS
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
-from rljob_workers.ddp import init_process_group_from_env, wrap_ddp
-from rljob_workers.disaggregated import (
-    ControlWatcher,
-    FileWatcher,
-    RoleReporter,
-    StalenessAccounting,
-    corrected_policy_loss,
-    effective_max_versions,
-    finite_or_none,
-)
-from rljob_workers.policy import (
-    PolicyModel,
-    SequenceBatch,
-    build_sequence_batch,
-    pad_rows,
-    pad_token_id,
-)
+from rljob_workers.control import ControlWatcher, FileWatcher
+from rljob_workers.ddp import init_process_group_from_env
+from rljob_workers.learner import Experience, build_learner
+from rljob_workers.metrics import RoleReporter, finite_or_none
+from rljob_workers.policy import pad_token_id
+from rljob_workers.staleness import StalenessAccounting, effective_max_versions
 from rljob_workers.transport import ExperienceServer, token_from_env
 from rljob_workers.weightsync import WeightServer
 
-__all__ = ["Learner", "TrainerWorker", "group_batch", "run_trainer_process", "serving_host"]
+__all__ = [
+    "TrainerWorker",
+    "experience_of",
+    "group_batch",
+    "run_trainer_process",
+    "serving_host",
+    "shard_groups",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +76,6 @@ SYNC_EVERY_S = 2.0
 """Rank 0 tells the other ranks "no batch yet" at least this often (keeps collectives short)."""
 HEARTBEAT_EVERY_S = 2.0
 ACCOUNTING_EVERY_STEPS = 10
-ADAM_EPS = 1e-8
 
 Group = list[Trajectory]
 
@@ -113,184 +98,19 @@ def _mean(values: Sequence[float]) -> float:
     return float(statistics.fmean(values)) if values else float("nan")
 
 
-# ----------------------------------------------------------------------------------- learner
+def experience_of(rows: Sequence[Trajectory]) -> Experience:
+    """The learner's view of trajectories (contiguous groups)."""
+    return Experience(
+        prompt_ids=[t.prompt_ids for t in rows],
+        response_ids=[t.response_ids for t in rows],
+        behaviour_logprobs=[t.behaviour_logprobs for t in rows],
+        scores=[t.reward for t in rows],
+    )
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """Tensors of one rank's shard: ``B`` rows, ``T`` response tokens."""
-
-    batch: SequenceBatch
-    proximal_logp: Tensor
-    behaviour_logp: Tensor
-    advantages: Tensor
-    sequence_advantages: Tensor
-    reference_logp: Tensor | None
-
-    @property
-    def rows(self) -> int:
-        return int(self.batch.input_ids.shape[0])
-
-
-class Learner:
-    """One rank's share of a training step: prepare its groups, run the corrected updates.
-
-    Args:
-        config: the job's worker config (algorithm and sampling settings).
-        policy: the policy whose weights are updated (and published by rank 0).
-        pad_id: the tokenizer's padding id.
-        train_module: what runs the forward pass (the DDP wrapper of ``policy``, or ``policy``).
-        reference: a frozen initial policy for the KL penalty, else None.
-        rank, world_size: this rank's shard is groups ``rank, rank + world_size, ...``.
-    """
-
-    def __init__(
-        self,
-        config: WorkerConfig,
-        policy: PolicyModel,
-        *,
-        pad_id: int,
-        train_module: nn.Module | None = None,
-        reference: PolicyModel | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        algo = config.algorithm
-        if algo.advantage_estimator not in ("grpo", "dr-grpo"):
-            raise ValueError(
-                f"spec.algorithm.advantageEstimator: {algo.advantage_estimator} needs a critic, "
-                "which the disaggregated trainer does not run; use grpo or dr-grpo"
-            )
-        self.config = config
-        self.policy = policy
-        self.train_module: nn.Module = policy if train_module is None else train_module
-        self.reference = reference
-        self.pad_id = pad_id
-        self.rank = rank
-        self.world_size = world_size
-        self.group_size = config.rollout.sampling.n
-        self.minibatches = max(1, math.ceil(algo.batch_size / algo.mini_batch_size))
-        self.optimizer = torch.optim.AdamW(
-            policy.parameters(), lr=algo.learning_rate, eps=ADAM_EPS, weight_decay=0.0
-        )
-        self._dummy = self._prepare_dummy()
-
-    def shard(self, groups: Sequence[Group]) -> list[Trajectory]:
-        """This rank's rows: every ``world_size``-th group starting at ``rank``."""
-        return [t for group in groups[self.rank :: self.world_size] for t in group]
-
-    @torch.no_grad()
-    def prepare(self, rows: Sequence[Trajectory]) -> _Prepared:
-        """Proximal log-probs (weights before the update), behaviour log-probs, advantages."""
-        batch = build_sequence_batch(
-            [t.prompt_ids for t in rows], [t.response_ids for t in rows], pad_id=self.pad_id
-        )
-        mask = batch.response_mask
-        self.policy.eval()
-        proximal = self.policy.logprobs(batch)
-        behaviour = pad_rows([t.behaviour_logprobs for t in rows], mask.shape[1]) * mask
-        scores = torch.tensor([t.reward for t in rows], dtype=torch.float32)
-        estimate = (
-            compute_grpo_advantages(scores, group_size=self.group_size)
-            if self.config.algorithm.advantage_estimator == "grpo"
-            else compute_dr_grpo_advantages(scores, group_size=self.group_size)
-        )
-        reference = None if self.reference is None else self.reference.logprobs(batch)
-        advantages = broadcast_advantages_to_tokens(estimate, mask)
-        return _Prepared(batch, proximal, behaviour, advantages, estimate, reference)
-
-    def _prepare_dummy(self) -> _Prepared:
-        batch = build_sequence_batch([[self.pad_id]], [[self.pad_id]], pad_id=self.pad_id)
-        zeros = torch.zeros(1, 1)
-        return _Prepared(batch, zeros, zeros, zeros, torch.zeros(1), None)
-
-    def update(self, groups: Sequence[Group], *, seed: int) -> dict[str, float]:
-        """Train this rank's shard of ``groups``; return averaged metrics.
-
-        The result holds ``last_optimizer_step_wall`` (wall-clock seconds of the last
-        ``optimizer.step()``) besides the loss metrics.
-        """
-        rows = self.shard(groups)
-        prepared = self.prepare(rows) if rows else None
-        self.policy.train()
-        totals: dict[str, list[float]] = {}
-        last_step = time.time()
-        for _epoch in range(self.config.algorithm.ppo_epochs):
-            for chunk in self._minibatch_rows(len(rows), seed):
-                metrics = self._update_minibatch(prepared, chunk)
-                last_step = time.time()
-                for key, value in metrics.items():
-                    totals.setdefault(key, []).append(value)
-        self.policy.eval()
-        summary = {key: _mean(values) for key, values in totals.items()}
-        summary["last_optimizer_step_wall"] = last_step
-        if prepared is not None:
-            summary.update(self._batch_metrics(prepared))
-        return summary
-
-    def _batch_metrics(self, prepared: _Prepared) -> dict[str, float]:
-        mask = prepared.batch.response_mask
-        gap = (prepared.behaviour_logp - prepared.proximal_logp).abs()
-        variance = prepared.sequence_advantages.var() if prepared.rows > 1 else torch.tensor(0.0)
-        return {
-            "advantage_var": float(variance),
-            "behaviour_logprob_gap": float(masked_mean(gap, mask)),
-            "tokens": float(mask.sum()),
-        }
-
-    def _minibatch_rows(self, rows: int, seed: int) -> list[Tensor]:
-        """Row indices per minibatch, whole groups together, shuffled; some may be empty."""
-        groups = rows // self.group_size
-        generator = torch.Generator().manual_seed(seed)
-        order = torch.randperm(groups, generator=generator)
-        chunks = torch.tensor_split(order, self.minibatches)
-        offsets = torch.arange(self.group_size)
-        return [(chunk.unsqueeze(1) * self.group_size + offsets).reshape(-1) for chunk in chunks]
-
-    def _update_minibatch(self, prepared: _Prepared | None, rows: Tensor) -> dict[str, float]:
-        """One optimizer step; an empty minibatch steps with a zero loss (DDP stays in step)."""
-        empty = prepared is None or rows.numel() == 0
-        source = self._dummy if empty or prepared is None else prepared
-        index = torch.zeros(1, dtype=torch.long) if empty else rows
-        batch = source.batch.rows(index)
-        mask = batch.response_mask * (0.0 if empty else 1.0)
-        algo = self.config.algorithm
-        logp, entropy = self.train_module(batch, with_entropy=True)
-        assert entropy is not None
-        per_token, loss_metrics = corrected_policy_loss(
-            algo,
-            logp,
-            source.proximal_logp[index],
-            source.behaviour_logp[index],
-            source.advantages[index],
-            mask,
-        )
-        loss = aggregate_loss(per_token, mask, algo.loss_aggregation)
-        entropy_mean = aggregate_loss(entropy, mask, "token-mean")
-        metrics = {"policy_loss": float(loss.detach()), "entropy": float(entropy_mean.detach())}
-        if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * entropy_mean
-        if source.reference_logp is not None:
-            kl = KL_ESTIMATORS[algo.kl_estimator](logp, source.reference_logp[index])
-            kl_mean = aggregate_loss(kl, mask, algo.loss_aggregation)
-            loss = loss + algo.kl_coef * kl_mean
-            metrics["kl"] = float(kl_mean.detach())
-        else:
-            metrics["kl"] = loss_metrics["approx_kl"]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), algo.max_grad_norm)
-        self.optimizer.step()
-        if empty:
-            return {}
-        metrics["loss"] = float(loss.detach())
-        metrics["grad_norm"] = float(grad_norm)
-        for key in ("clip_fraction", "approx_kl", "is_weight_mean", "is_weight_max"):
-            if key in loss_metrics:
-                metrics[key] = loss_metrics[key]
-        if "is_weight_capped_fraction" in loss_metrics:
-            metrics["is_weight_capped_fraction"] = loss_metrics["is_weight_capped_fraction"]
-        return metrics
+def shard_groups(groups: Sequence[Group], rank: int, world_size: int) -> list[Trajectory]:
+    """Rank ``rank``'s rows: every ``world_size``-th group starting at ``rank``."""
+    return [t for group in groups[rank::world_size] for t in group]
 
 
 # ---------------------------------------------------------------------------- the process
@@ -369,28 +189,13 @@ class TrainerWorker:
         self.distributed = env.world_size > 1
         self.leader = env.rank == 0
         model = config.model
-        self.policy = PolicyModel.from_pretrained(
-            model.path,
-            dtype=model.dtype,
-            device=config.device,
-            gradient_checkpointing=config.trainer.gradient_checkpointing,
-        )
-        train_module: nn.Module = self.policy
-        if self.distributed:
-            train_module = wrap_ddp(
-                self.policy,
-                config.trainer.gradient_compression,
-                gradient_checkpointing=config.trainer.gradient_checkpointing,
-            )
-        self.learner = Learner(
+        self.learner = build_learner(
             config,
-            self.policy,
             pad_id=pad_token_id(model.tokenizer_path or model.path),
-            train_module=train_module,
-            reference=_reference(config),
             rank=env.rank,
             world_size=env.world_size,
         )
+        self.policy = self.learner.policy
         self.step = 0
         self.version = 0
         self.last_checkpoint: str | None = None
@@ -448,13 +253,14 @@ class TrainerWorker:
         behind, lags = self.accounting.record_trained(
             flat, current_version=current, now=time.time()
         )
+        rows = shard_groups(groups, self.env.rank, self.env.world_size)
         metrics = self.learner.update(
-            groups, seed=(self.config.seed * 1_000_003 + self.step) % 2**31
+            experience_of(rows), seed=(self.config.seed * 1_000_003 + self.step) % 2**31
         )
-        stepped_wall = metrics.pop("last_optimizer_step_wall")
+        metrics.pop("optimizer_steps")
         self.step += 1
         self.version += 1
-        publish = self._publish(stepped_wall)
+        publish = self._publish(self.learner.last_step_wall)
         checkpoint = self._maybe_checkpoint()
         finished = time.perf_counter()
         record: dict[str, Any] = {
@@ -593,6 +399,7 @@ class TrainerWorker:
             return None
         path: Path | None = None
         if self.leader:
+            modules, optimizers = self.learner.checkpoint_parts()
             path = save_checkpoint(
                 self.config.checkpoint.dir,
                 CheckpointState(
@@ -600,8 +407,8 @@ class TrainerWorker:
                     policy_version=self.version,
                     extra={"job": self.config.job_name, "role": "trainer"},
                 ),
-                modules={"policy": self.policy},
-                optimizers={"policy": self.learner.optimizer},
+                modules=modules,
+                optimizers=optimizers,
                 keep=self.config.checkpoint.keep,
             )
             self.last_checkpoint = str(path)
@@ -616,9 +423,8 @@ class TrainerWorker:
             chosen = None if found is None else str(found)
         if chosen is None:
             return
-        state = load_checkpoint(
-            chosen, modules={"policy": self.policy}, optimizers={"policy": self.learner.optimizer}
-        )
+        modules, optimizers = self.learner.checkpoint_parts()
+        state = load_checkpoint(chosen, modules=modules, optimizers=optimizers)
         self.step, self.version = state.step, state.policy_version
         self.last_checkpoint = chosen
         log.info("resumed from %s at step %d (version %d)", chosen, self.step, self.version)
@@ -679,17 +485,6 @@ def _format_step(record: dict[str, Any], total_steps: int) -> str:
         f"{'-' if lag is None else f'{lag:.0f} ms'} wait {record['wait_s']:.2f} s "
         f"step {record['step_time_s']:.2f} s"
     )
-
-
-def _reference(config: WorkerConfig) -> PolicyModel | None:
-    if config.algorithm.kl_coef <= 0:
-        return None
-    reference = PolicyModel.from_pretrained(
-        config.model.path, dtype=config.model.dtype, device=config.device
-    )
-    reference.requires_grad_(False)
-    reference.eval()
-    return reference
 
 
 @contextlib.contextmanager

@@ -17,7 +17,11 @@ from rljob_workers.algos.aggregation import (
     aggregate_loss,
     loss_denominator,
 )
-from rljob_workers.algos.dapo import dynamic_sampling_keep_mask, overlong_reward_penalty
+from rljob_workers.algos.dapo import (
+    MAX_SAMPLING_ROUNDS,
+    dynamic_sampling_keep_mask,
+    overlong_reward_penalty,
+)
 from rljob_workers.algos.kl import (
     KL_ESTIMATORS,
     LOSS_KL_ESTIMATORS,
@@ -51,6 +55,7 @@ __all__ = [
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
     "LOSS_KL_ESTIMATORS",
+    "MAX_SAMPLING_ROUNDS",
     "POLICY_LOSSES",
     "AggregationMode",
     "aggregate_loss",

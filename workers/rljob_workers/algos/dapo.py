@@ -11,7 +11,11 @@ from torch import Tensor
 
 from rljob_workers.algos.advantages import group_has_signal
 
-__all__ = ["dynamic_sampling_keep_mask", "overlong_reward_penalty"]
+__all__ = ["MAX_SAMPLING_ROUNDS", "dynamic_sampling_keep_mask", "overlong_reward_penalty"]
+
+MAX_SAMPLING_ROUNDS = 4
+"""Dynamic sampling: most generation rounds (colocated) or batches' worth of filtered groups
+(disaggregated) spent filling one batch before training on what there is."""
 
 
 def dynamic_sampling_keep_mask(scores: Tensor, *, group_size: int) -> Tensor:
