@@ -35,6 +35,7 @@ from rljob_workers.config import (
     WorkerConfig,
 )
 from rljob_workers.engine import make_engine
+from rljob_workers.learner import Experience
 from rljob_workers.policy import PolicyModel, build_sequence_batch
 from rljob_workers.tasks import PromptSampler
 from rljob_workers.tinymodel import build_tiny_model
@@ -57,7 +58,11 @@ def tiny_model(tmp_path_factory):
 
 
 def _config(model, tmp_path, *, algorithm: AlgorithmConfig, n: int, **overrides) -> WorkerConfig:
-    sampling = SamplingConfig(n=n, max_tokens=overrides.pop("max_tokens", 4))
+    sampling = SamplingConfig(
+        n=n,
+        max_tokens=overrides.pop("max_tokens", 4),
+        temperature=overrides.pop("temperature", 1.0),
+    )
     values = {
         "job_name": "colocated-test",
         "topology": "colocated",
@@ -120,6 +125,29 @@ def test_policy_gradient_checkpointing_same_logprobs_and_gradients(tiny_model):
         grads.append([p.grad.clone() for p in policy.parameters()])
     for plain, recomputed in zip(*grads, strict=True):
         assert torch.allclose(plain, recomputed, atol=1e-6)
+
+
+def test_learner_at_temperature_scores_the_tempered_sampling_distribution(tiny_model, tmp_path):
+    algorithm = _grpo(batch_size=4, mini_batch_size=4, ppo_epochs=1)
+    config = _config(tiny_model, tmp_path, algorithm=algorithm, n=2, temperature=0.5)
+    runtime = build_colocated_runtime(config, ENV)
+    sampled = runtime.engine.generate(["copy:7="], n=2, max_tokens=1, temperature=0.5, seed=1)
+    prepared = runtime.learner.prepare(
+        Experience(
+            [c.prompt_ids for c in sampled],
+            [c.token_ids for c in sampled],
+            [c.logprobs for c in sampled],
+            [1.0, 0.0],
+        )
+    )
+    raw = PolicyModel.from_pretrained(tiny_model).model
+    with torch.no_grad():
+        logits = raw(input_ids=torch.tensor([sampled[0].prompt_ids])).logits[0, -1]
+    tempered = torch.log_softmax(logits / 0.5, dim=-1)[sampled[0].token_ids[0]]
+    assert float(prepared.old_logp[0, 0]) == pytest.approx(float(tempered), abs=1e-5)
+    assert sampled[0].logprobs[0] == pytest.approx(float(tempered), abs=1e-5)
+    record = runtime.train_step()
+    assert record["engine_logprob_gap"] < 1e-4
 
 
 def test_prompt_sampler_restored_cursor_continues_the_same_order():

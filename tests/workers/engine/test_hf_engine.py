@@ -4,7 +4,8 @@ Aspects under test:
 - the backend satisfies the RolloutEngine protocol; make_engine rejects unknown kinds
 - output layout: prompt-major, n per prompt, prompt ids with <s>, text decoded from tokens
 - greedy decoding is deterministic; seeded sampling is reproducible, unseeded calls differ
-- logprobs are RAW (temperature-independent) and equal teacher-forced scoring
+- logprobs are those of the sampling distribution (tempered, nucleus-renormalised) and equal
+  teacher-forced scoring of it
 - batching with left padding gives the same greedy tokens as one prompt at a time
 - EOS ends a completion with finish_reason "stop" and is included in token_ids
 - load_weights from a state dict or a safetensors directory changes outputs and the version;
@@ -76,11 +77,21 @@ def test_generate_same_seed_reproducible_unseeded_differs(engine):
     assert [c.token_ids for c in first] != [c.token_ids for c in other]
 
 
-def test_generate_logprobs_raw_and_equal_teacher_forcing(engine):
+def test_generate_logprobs_are_the_sampling_distribution_and_equal_teacher_forcing(engine):
     hot = engine.generate(PROMPTS, n=2, max_tokens=6, temperature=2.0, top_p=0.8, seed=3)
     for c in hot:
-        scored = engine.compute_logprobs(c.prompt_ids, c.token_ids)
+        scored = engine.compute_logprobs(c.prompt_ids, c.token_ids, temperature=2.0, top_p=0.8)
         assert scored == pytest.approx(c.logprobs, abs=1e-5)
+
+
+def test_generate_logprobs_at_temperature_are_tempered_softmax(engine):
+    # by hand: log_softmax(logits / T) of the sampled token (top_p 1: no nucleus)
+    completion = engine.generate(["copy:7="], max_tokens=1, temperature=0.5, seed=1)[0]
+    ids = torch.tensor([completion.prompt_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0, -1].float()
+    expected = torch.log_softmax(logits / 0.5, dim=-1)[completion.token_ids[0]]
+    assert completion.logprobs[0] == pytest.approx(float(expected), abs=1e-5)
 
 
 def test_generate_batched_left_padding_equals_single(engine):

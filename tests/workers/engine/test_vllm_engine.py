@@ -2,8 +2,8 @@
 
 Aspects under test:
 - greedy token ids are equal and their log-probs within 1e-4 of the transformers backend
-- sampled tokens' log-probs are RAW in both backends (vLLM's equal transformers' teacher forcing
-  even at temperature != 1 with top-p)
+- sampled tokens' log-probs are those of the sampling distribution in both backends (vLLM's
+  equal transformers' teacher forcing of it, also at temperature != 1 with top-p)
 - seeded sampling is reproducible; EOS ends a completion with finish_reason "stop" in both
 - a live weight push (state dict; a save_pretrained directory without the tied lm_head; a state
   dict of canonical names only) changes vLLM's outputs, and vLLM and transformers still agree
@@ -66,7 +66,7 @@ def _assert_greedy_agree(vllm_engine, hf_engine) -> list[list[int]]:
 
 def _assert_sampled_logprobs_agree(vllm_engine, hf_engine, **sampling) -> None:
     for c in vllm_engine.generate(PROMPTS, n=3, max_tokens=8, seed=11, **sampling):
-        scored = hf_engine.compute_logprobs(c.prompt_ids, c.token_ids)
+        scored = hf_engine.compute_logprobs(c.prompt_ids, c.token_ids, **sampling)
         assert c.logprobs == pytest.approx(scored, abs=TOLERANCE)
 
 
@@ -80,7 +80,7 @@ def test_vllm_greedy_equals_hf_ids_and_logprobs(vllm_engine, hf_engine):
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.7, 0.8)])
-def test_vllm_sampled_logprobs_raw_equal_hf_scoring(vllm_engine, hf_engine, temperature, top_p):
+def test_vllm_sampled_logprobs_equal_hf_sampling_scores(vllm_engine, hf_engine, temperature, top_p):
     _assert_sampled_logprobs_agree(vllm_engine, hf_engine, temperature=temperature, top_p=top_p)
 
 

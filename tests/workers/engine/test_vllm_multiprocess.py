@@ -5,7 +5,7 @@ Aspects under test:
 - a state-dict push reaches the worker processes through a staged safetensors directory (no raw
   tensors over the RPC), and a save_pretrained directory (tied lm_head dropped) is served correctly:
   after each push vLLM's greedy ids equal the transformers backend's and differ from before
-- sampled-token log-probs still equal transformers' raw scoring
+- sampled-token log-probs still equal transformers' scoring (temperature 1)
 """
 
 from __future__ import annotations

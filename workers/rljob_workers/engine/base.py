@@ -1,9 +1,11 @@
 """The rollout-engine contract shared by every backend, and helpers the backends reuse.
 
-Log-probability semantics (identical in every backend): ``Completion.logprobs[i]`` is
-``log_softmax(logits)[token_ids[i]]`` of the RAW model distribution, i.e. before temperature,
-top-p or any other sampling transform. That is the quantity the trainer recomputes for the
-policy-ratio and KL terms, so no correction for the sampling temperature is needed there.
+Log-probability semantics (identical in every backend): ``Completion.logprobs[i]`` is the
+log-probability of ``token_ids[i]`` under the distribution it was drawn from: the logits
+divided by the temperature, restricted to the top-p nucleus and renormalised (vLLM's
+``processed_logprobs``); raw ``log_softmax(logits)`` for greedy decoding. The trainer scores
+with the same temperature (``PolicyModel(temperature=...)``, as verl and TRL do), so the
+behaviour log-probs, the ratio, the gradient and the KL all refer to one distribution.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ class Completion:
     """One sampled response to one prompt.
 
     ``token_ids`` is the response only (it ends with the EOS id when ``finish_reason`` is
-    ``"stop"``); ``logprobs`` has one raw log-probability per entry of ``token_ids``; ``text`` is
-    the response decoded without special tokens; ``prompt_index`` is the prompt's position in the
-    ``generate`` call and ``weights_version`` the policy version that produced it.
+    ``"stop"``); ``logprobs`` has one sampling-distribution log-probability per entry of
+    ``token_ids``; ``text`` is the response decoded without special tokens; ``prompt_index``
+    is the prompt's position in the ``generate`` call and ``weights_version`` the policy version
+    that produced it.
     """
 
     prompt_index: int

@@ -1,8 +1,9 @@
 """Hugging Face transformers rollout backend: the reference and CPU fallback.
 
-Sampling runs a plain KV-cached decode loop over a left-padded batch. ``temperature`` and
-``top_p`` shape only the distribution tokens are drawn from; the returned log-probabilities are
-those of the RAW model distribution (``log_softmax(logits)``), as in every backend (see ``base``).
+Sampling runs a plain KV-cached decode loop over a left-padded batch. The returned
+log-probabilities are those of the distribution the tokens were drawn from: the logits divided
+by ``temperature``, restricted to the ``top_p`` nucleus and renormalised, as in every backend
+(see ``base``); greedy decoding (``temperature == 0``) returns the raw model log-probabilities.
 """
 
 from __future__ import annotations
@@ -98,12 +99,21 @@ class HFEngine:
         return encoded
 
     @torch.inference_mode()
-    def compute_logprobs(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:
-        """Raw log-probabilities of ``token_ids`` following ``prompt_ids`` (teacher forcing)."""
+    def compute_logprobs(
+        self,
+        prompt_ids: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> list[float]:
+        """Log-probabilities of ``token_ids`` following ``prompt_ids`` (teacher forcing) under
+        the sampling distribution of ``temperature`` and ``top_p`` (raw at the defaults)."""
         ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
         chosen = torch.tensor(list(token_ids), device=self.device)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None])[:, 0]
+        probs = _sampling_probs(logits, temperature, top_p)
+        logprobs = torch.log(_normalised(probs).gather(-1, chosen[:, None])[:, 0])
         return [float(value) for value in logprobs]
 
     @torch.no_grad()
@@ -159,8 +169,8 @@ class HFEngine:
         stop_ids = torch.tensor(sorted(self._stop_ids), device=self.device)
         for _ in range(max_tokens):
             logits = out.logits[:, -1, :].float()
-            token = _sample(logits, temperature, top_p, generator)
-            token_logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])
+            token, probs = _sample(logits, temperature, top_p, generator)
+            token_logprob = torch.log(_normalised(probs).gather(-1, token[:, None]))
             sampled = torch.cat([sampled, token[:, None]], dim=1)
             logprobs = torch.cat([logprobs, token_logprob], dim=1)
             done |= torch.isin(token, stop_ids)
@@ -206,19 +216,32 @@ class HFEngine:
         )
 
 
-def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> torch.Tensor:
-    """Draw one token per row of ``logits`` [batch, vocab]: greedy at temperature 0, else
-    softmax(logits / temperature) restricted to the smallest nucleus with mass >= ``top_p``."""
+def _sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``[batch, vocab]`` unnormalised probabilities tokens are drawn from: softmax(logits / T)
+    restricted to the smallest nucleus with mass >= ``top_p``; the raw softmax at T = 0."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return torch.softmax(logits, dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return probs
+
+
+def _normalised(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits`` [batch, vocab] (greedy at temperature 0); returns
+    the tokens and the (unnormalised) probabilities they were drawn from."""
+    probs = _sampling_probs(logits, temperature, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1), probs
+    return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
 
 
 def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

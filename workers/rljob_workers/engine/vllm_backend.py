@@ -12,9 +12,9 @@ Modes (fixed per process: vLLM caches its environment once the first engine is u
   cross the RPC (that kills the engine): a state dict is first written as safetensors to a
   temporary directory and the workers reload from that path.
 
-Log-probabilities are the sampled tokens' RAW log-probabilities (``logprobs_mode="raw_logprobs"``,
-``SamplingParams(logprobs=0)``): ``log_softmax(logits)`` before temperature / top-p, exactly what
-the transformers backend returns.
+Log-probabilities are those of the sampling distribution (``logprobs_mode="processed_logprobs"``,
+``SamplingParams(logprobs=0)``): ``log_softmax`` of the logits after temperature and top-p,
+exactly what the transformers backend returns.
 
 Sleep mode exists only on GPU platforms: ``sleep()`` / ``wake()`` call ``LLM.sleep`` /
 ``LLM.wake_up`` there and are documented no-ops on CPU.
@@ -86,7 +86,7 @@ class VLLMEngine:
             "seed": seed,
             "enforce_eager": True,
             "max_model_len": max_model_len,
-            "logprobs_mode": "raw_logprobs",
+            "logprobs_mode": "processed_logprobs",
             "enable_sleep_mode": self._sleep_enabled,
         }
         if in_process:
