@@ -7,7 +7,12 @@ Aspects under test:
 - one step reports every metric a user watches, pushes the new weights into the engine (same
   version, same tensors) and measures the policy lag (0 versions with one minibatch, more with
   several);
-- DAPO dynamic sampling drops the groups without learning signal and says how many;
+- DAPO dynamic sampling drops the groups without learning signal and says how many; a group
+  with a NaN reward is left out (counted) and the step stays finite;
+- the live control (``control.json``) acts on the actor: a tightened bound limits the versions
+  the samples lag, a throttle idles in proportion to generation, a pause holds the step (the
+  heartbeat continues) until unpaused;
+- the trainer scores with the sampling temperature (log-probs of softmax(z / T), as sampled);
 - learning (slow): GRPO on the default task climbs from the random-policy baseline to a fixed
   threshold within a bounded number of steps; PPO (with critic) and DAPO improve;
 - the real path (slow): a vLLM engine in the same process serves every new policy version and
@@ -16,7 +21,9 @@ Aspects under test:
 
 from __future__ import annotations
 
+import math
 import statistics
+import threading
 import time
 
 import pytest
@@ -37,7 +44,7 @@ from rljob_workers.config import (
 from rljob_workers.engine import make_engine
 from rljob_workers.learner import Experience
 from rljob_workers.policy import PolicyModel, build_sequence_batch
-from rljob_workers.tasks import PromptSampler
+from rljob_workers.tasks import PromptSampler, TaskData
 from rljob_workers.tinymodel import build_tiny_model
 
 ENV = ProcessEnv(role="actor")
@@ -211,6 +218,71 @@ def test_dapo_dynamic_sampling_drops_groups_without_signal(tiny_model, tmp_path)
     record = runtime.train_step()
     assert record["dropped_samples"] > 0
     assert record["samples"] <= 16
+
+
+def test_colocated_nonfinite_reward_group_left_out_step_stays_finite(tiny_model, tmp_path):
+    algorithm = _grpo(batch_size=4, mini_batch_size=4, ppo_epochs=1, kl_coef=0.0)
+    runtime = build_colocated_runtime(_config(tiny_model, tmp_path, algorithm=algorithm, n=4), ENV)
+    calls = [0]
+
+    def reward(text: str, answer: str) -> float:
+        calls[0] += 1
+        return float("nan") if calls[0] <= 4 else float(calls[0] % 2)  # the first group: NaN
+
+    runtime.task = TaskData(runtime.task.prompts, runtime.task.answers, reward)
+    before = [p.detach().clone() for p in runtime.policy.parameters()]
+    record = runtime.train_step()
+
+    assert record["dropped_nonfinite"] == 4
+    assert record["samples"] == 12
+    assert math.isfinite(record["loss"]) and math.isfinite(record["reward_mean"])
+    after = list(runtime.policy.parameters())
+    assert all(bool(torch.isfinite(new).all()) for new in after)
+    assert any(not torch.equal(old, new) for old, new in zip(before, after, strict=True))
+
+
+def _controlled_runtime(model, tmp_path, control: str, **algorithm):
+    config = _config(model, tmp_path, algorithm=_grpo(**algorithm), n=2)
+    (tmp_path / "config.json").write_text(config.dump())
+    (tmp_path / "control.json").write_text(control)
+    env = ProcessEnv(role="actor", config_path=str(tmp_path / "config.json"))
+    return build_colocated_runtime(config, env)
+
+
+def test_colocated_live_control_tightened_bound_limits_versions_behind(tiny_model, tmp_path):
+    runtime = _controlled_runtime(
+        tiny_model, tmp_path, '{"max_versions": 0}', batch_size=4, mini_batch_size=2, ppo_epochs=2
+    )
+    record = runtime.train_step()
+    assert record["max_versions"] == 0
+    assert record["policy_lag_versions"] == 0 and record["policy_version"] == 1
+
+
+def test_colocated_live_control_throttle_idles_in_proportion(tiny_model, tmp_path):
+    runtime = _controlled_runtime(
+        tiny_model, tmp_path, '{"rollout_throttle": 0.25}', batch_size=2, mini_batch_size=2
+    )
+    record = runtime.train_step()
+    # at a quarter of the duty cycle the actor idles 3x its generation time
+    assert record["throttle_wait_s"] == pytest.approx(3 * record["generate_time_s"])
+
+
+def test_colocated_live_control_pause_holds_the_step_until_unpaused(tiny_model, tmp_path):
+    runtime = _controlled_runtime(
+        tiny_model, tmp_path, '{"paused": true}', batch_size=2, mini_batch_size=2
+    )
+    beats = []
+    runtime.on_idle = lambda: beats.append(time.monotonic())
+    records = []
+    worker = threading.Thread(target=lambda: records.append(runtime.train_step()), daemon=True)
+    worker.start()
+    time.sleep(2.0)
+    held = runtime.step, worker.is_alive(), len(beats)
+    (tmp_path / "control.json").write_text('{"paused": false}')
+    worker.join(timeout=120)
+
+    assert held[0] == 0 and held[1] and held[2] >= 2
+    assert records and records[0]["step"] == 1 and records[0]["paused_s"] >= 2.0
 
 
 def _learn(config):
