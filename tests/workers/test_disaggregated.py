@@ -301,6 +301,41 @@ def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, 
     assert written["staleness_histogram"] == {"0": 8, "1": 4}
 
 
+def test_trainer_ppo_with_gae_trains_its_own_critic(tiny_model, tmp_path):
+    # the API accepts ppo on disaggregated (with a correction and a bound): the trainer runs it
+    from rljob_workers.main import validate_worker_config
+
+    algorithm = AlgorithmConfig(
+        name="ppo",
+        advantage_estimator="gae",
+        policy_loss="tis",
+        learning_rate=5e-3,
+        critic_learning_rate=1e-2,
+        group_size=1,
+        batch_size=2,
+        mini_batch_size=1,
+    )
+    sampling = SamplingConfig(n=1, max_tokens=2)
+    config = _config(tiny_model, tmp_path, rollout=RolloutConfig(engine="hf", sampling=sampling))
+    config = config.model_copy(update={"algorithm": algorithm})
+    env = ProcessEnv(role="trainer", config_path=str(tmp_path / "config.json"), token=TOKEN)
+    assert validate_worker_config(config, env) == []
+    (tmp_path / "config.json").write_text(config.dump())
+    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+    worker = TrainerWorker(config, env)
+    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    try:
+        client.send([replace(t, group_id=t.id) for t in _synthetic_group("a", 0, prompt)], 10)
+        record = worker.train_step()
+    finally:
+        client.close()
+        worker.close()
+
+    assert worker.learner.critic is not None
+    assert record["samples"] == 2 and record["value_loss"] > 0
+    assert math.isfinite(record["loss"])
+
+
 # ------------------------------------------------------------------ local runs (processes)
 
 

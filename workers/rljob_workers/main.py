@@ -135,11 +135,6 @@ def _check_algorithm(config: WorkerConfig, env: ProcessEnv) -> list[str]:
             f"spec.algorithm.miniBatchSize: {algo.mini_batch_size} must be in "
             f"[1, batchSize={algo.batch_size}]"
         )
-    if config.topology == "disaggregated" and algo.advantage_estimator == "gae":
-        problems.append(
-            "spec.algorithm.advantageEstimator: gae needs a critic, which the disaggregated "
-            "trainer does not run; use grpo or dr-grpo (or topology colocated)"
-        )
     if algo.ppo_epochs < 1:
         problems.append("spec.algorithm.ppoEpochs: must be >= 1")
     if algo.overlong.enabled and algo.overlong.cache_length > algo.overlong.max_length:
