@@ -198,6 +198,23 @@ def _uses_groups(algorithm: JsonObject) -> bool:
 _USES_GROUPS_CEL = (
     "(has(self.advantageEstimator) ? self.advantageEstimator != 'gae' : self.name != 'ppo')"
 )
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+DAPO_CLIP_RATIO_HIGH = 0.28
+"""DAPO's clip-higher ε_high (Yu et al., 2025), the default of algorithm dapo."""
+
+
+def _overlong_on(algorithm: JsonObject) -> bool:
+    """Whether overlong shaping applies: ``overlongBuffer.enabled``, else on for dapo."""
+    enabled = algorithm["overlongBuffer"].get("enabled")
+    return bool(enabled) if enabled is not None else algorithm["name"] == "dapo"
+
+
+_OVERLONG_ON_CEL = (
+    "(has(self.algorithm.overlongBuffer.enabled) ? self.algorithm.overlongBuffer.enabled "
+    ": self.algorithm.name == 'dapo')"
+)
 
 
 # --------------------------------------------------------------------------------- algorithm
@@ -207,20 +224,25 @@ class OverlongBuffer(SpecModel):
     """DAPO soft overlong punishment: responses longer than maxLength - cacheLength tokens get a
     reward penalty that grows linearly to -1 at maxLength."""
 
-    enabled: bool = Field(False, description="Apply the overlong penalty to the reward.")
-    max_length: int = Field(
-        1024,
+    enabled: bool | None = Field(
+        None,
+        description="Apply the overlong penalty to the reward. Unset: on for dapo (the "
+        "paper's default), off otherwise.",
+    )
+    max_length: int | None = Field(
+        None,
         ge=1,
         le=1_048_576,
-        description="Length in tokens where the penalty reaches -1. Normally equal to "
-        "spec.rollout.sampling.maxTokens, and never larger.",
+        description="Length in tokens where the penalty reaches -1; never larger than "
+        "spec.rollout.sampling.maxTokens. Unset: spec.rollout.sampling.maxTokens.",
     )
-    cache_length: int = Field(
-        256,
+    cache_length: int | None = Field(
+        None,
         ge=0,
         le=1_048_576,
         description="Width in tokens of the penalty ramp that ends at maxLength "
-        "(DAPO's L_cache, e.g. 4096 of 20480). Must be smaller than maxLength.",
+        "(DAPO's L_cache, e.g. 4096 of 20480). Must be smaller than maxLength. Unset: "
+        "maxLength / 5, as in the paper.",
     )
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
@@ -250,13 +272,13 @@ class Algorithm(SpecModel):
     clip_ratio_low: float = Field(
         0.2, gt=0, lt=1, description="ε_low: the importance ratio is clipped below at 1 - ε_low."
     )
-    clip_ratio_high: float = Field(
-        0.2,
+    clip_ratio_high: float | None = Field(
+        None,
         gt=0,
         le=1,
-        description="ε_high: the importance ratio is clipped above at 1 + ε_high. Equal to "
-        "clipRatioLow for PPO/GRPO; DAPO's clip-higher typically uses 0.28. Must be >= "
-        "clipRatioLow.",
+        description="ε_high: the importance ratio is clipped above at 1 + ε_high. Must be >= "
+        "clipRatioLow. Unset: 0.28 for dapo (clip-higher; at least clipRatioLow), "
+        "clipRatioLow otherwise.",
     )
     dual_clip: float | None = Field(
         None,
@@ -271,10 +293,13 @@ class Algorithm(SpecModel):
         le=10,
         description="Weight of the KL penalty to the reference model; 0 disables it.",
     )
-    kl_estimator: Literal["k1", "k3"] = Field(
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3",
-        description="KL estimator: k1 (log-ratio, unbiased, high variance) or k3 "
-        "(ratio - 1 - log-ratio, non-negative, low variance).",
+        description="KL estimator. k2 ((log-ratio)^2 / 2) and k3 (ratio - 1 - log-ratio, "
+        "clamped at 10 per token) are added to the loss, where their gradients are those of "
+        "KL(policy||reference) and KL(reference||policy). k1 (log-ratio) has a zero expected "
+        "gradient in the loss, so with k1 the KL is a detached per-token reward penalty "
+        "instead (klCoef × k1 subtracted from the reward).",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor for GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ (bias/variance trade-off).")
@@ -291,19 +316,23 @@ class Algorithm(SpecModel):
         "std) or dr-grpo (group mean removed, no std division). Unset: gae for ppo, grpo for "
         "grpo and dapo.",
     )
-    dynamic_sampling: bool = Field(
-        False,
+    dynamic_sampling: bool | None = Field(
+        None,
         description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero "
-        "advantage) and keep sampling until the batch is full.",
+        "advantage) and keep sampling until the batch is full. Unset: on for dapo, off "
+        "otherwise.",
     )
     overlong_buffer: OverlongBuffer = _nested(
         OverlongBuffer, "DAPO overlong reward shaping for responses near the length limit."
     )
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean",
-        description="How per-token losses become one number: token-mean (every token weighs "
-        "the same; DAPO), seq-mean-token-mean (mean per sequence, then over sequences; "
-        "original GRPO) or seq-mean-token-sum (sum per sequence, then mean; Dr. GRPO).",
+    loss_aggregation: LossAggregation | None = Field(
+        None,
+        description="How per-token losses become one number (counts taken over every trainer "
+        "rank): token-mean (every token weighs the same; DAPO), seq-mean-token-mean (mean per "
+        "sequence, then over sequences; original GRPO), seq-mean-token-sum (sum per sequence, "
+        "then mean) or seq-mean-token-sum-norm (sum over tokens / (sequences × "
+        "rollout.sampling.maxTokens), a constant; Dr. GRPO). Unset: seq-mean-token-sum-norm "
+        "with advantageEstimator dr-grpo, token-mean otherwise.",
     )
     learning_rate: float = Field(1e-6, gt=0, le=1, description="Actor (policy) learning rate.")
     critic_learning_rate: float = Field(
@@ -331,10 +360,10 @@ class Algorithm(SpecModel):
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
-            rule="self.clipRatioHigh >= self.clipRatioLow",
+            rule="!has(self.clipRatioHigh) || self.clipRatioHigh >= self.clipRatioLow",
             message="spec.algorithm.clipRatioHigh must be >= spec.algorithm.clipRatioLow "
             "(clip-higher only widens the upper bound); raise clipRatioHigh or lower clipRatioLow",
-            holds=lambda a: a["clipRatioHigh"] >= a["clipRatioLow"],
+            holds=lambda a: "clipRatioHigh" not in a or a["clipRatioHigh"] >= a["clipRatioLow"],
             field_path=".clipRatioHigh",
         ),
         CelRule(
@@ -911,17 +940,34 @@ class RLJobSpec(SpecModel):
             field_path=".weightSync.method",
         ),
         CelRule(
-            rule="!self.algorithm.overlongBuffer.enabled || "
+            rule="!has(self.algorithm.overlongBuffer.maxLength) || "
+            f"!{_OVERLONG_ON_CEL} || "
             "self.algorithm.overlongBuffer.maxLength <= self.rollout.sampling.maxTokens",
             message="spec.algorithm.overlongBuffer.maxLength must be <= "
             "spec.rollout.sampling.maxTokens (responses stop at maxTokens, so a longer limit "
-            "never penalises anything); set maxLength to maxTokens",
+            "never penalises anything); set maxLength to maxTokens or remove it",
             holds=lambda s: (
-                not s["algorithm"]["overlongBuffer"]["enabled"]
+                "maxLength" not in s["algorithm"]["overlongBuffer"]
+                or not _overlong_on(s["algorithm"])
                 or s["algorithm"]["overlongBuffer"]["maxLength"]
                 <= s["rollout"]["sampling"]["maxTokens"]
             ),
             field_path=".algorithm.overlongBuffer.maxLength",
+        ),
+        CelRule(
+            rule="!has(self.algorithm.overlongBuffer.cacheLength) || "
+            "has(self.algorithm.overlongBuffer.maxLength) || "
+            "self.algorithm.overlongBuffer.cacheLength < self.rollout.sampling.maxTokens",
+            message="spec.algorithm.overlongBuffer.cacheLength must be < "
+            "spec.rollout.sampling.maxTokens (maxLength defaults to maxTokens); lower "
+            "cacheLength or set maxLength",
+            holds=lambda s: (
+                "cacheLength" not in s["algorithm"]["overlongBuffer"]
+                or "maxLength" in s["algorithm"]["overlongBuffer"]
+                or s["algorithm"]["overlongBuffer"]["cacheLength"]
+                < s["rollout"]["sampling"]["maxTokens"]
+            ),
+            field_path=".algorithm.overlongBuffer.cacheLength",
         ),
     )
 
@@ -1160,6 +1206,43 @@ def resolve_advantage_estimator(algorithm: Algorithm) -> AdvantageEstimator:
     if algorithm.advantage_estimator is not None:
         return algorithm.advantage_estimator
     return "gae" if algorithm.name == "ppo" else "grpo"
+
+
+def resolve_clip_ratio_high(algorithm: Algorithm) -> float:
+    """``clipRatioHigh``, or its default: DAPO's 0.28 (at least clipRatioLow) for dapo, else
+    clipRatioLow (symmetric PPO clip)."""
+    if algorithm.clip_ratio_high is not None:
+        return algorithm.clip_ratio_high
+    if algorithm.name == "dapo":
+        return max(DAPO_CLIP_RATIO_HIGH, algorithm.clip_ratio_low)
+    return algorithm.clip_ratio_low
+
+
+def resolve_dynamic_sampling(algorithm: Algorithm) -> bool:
+    """``dynamicSampling``, or its default: on for dapo."""
+    if algorithm.dynamic_sampling is not None:
+        return algorithm.dynamic_sampling
+    return algorithm.name == "dapo"
+
+
+def resolve_overlong(spec: RLJobSpec) -> tuple[bool, int, int]:
+    """``(enabled, maxLength, cacheLength)`` of overlong shaping: on for dapo unless set,
+    maxLength defaults to ``rollout.sampling.maxTokens``, cacheLength to a fifth of it."""
+    buffer = spec.algorithm.overlong_buffer
+    enabled = buffer.enabled if buffer.enabled is not None else spec.algorithm.name == "dapo"
+    max_length = buffer.max_length or spec.rollout.sampling.max_tokens
+    cache_length = buffer.cache_length if buffer.cache_length is not None else max_length // 5
+    return enabled, max_length, cache_length
+
+
+def resolve_loss_aggregation(algorithm: Algorithm) -> LossAggregation:
+    """``lossAggregation``, or its default: Dr.GRPO's constant normaliser (``seq-mean-token-
+    sum-norm``) with the dr-grpo estimator, token-mean otherwise."""
+    if algorithm.loss_aggregation is not None:
+        return algorithm.loss_aggregation
+    if resolve_advantage_estimator(algorithm) == "dr-grpo":
+        return "seq-mean-token-sum-norm"
+    return "token-mean"
 
 
 def responses_per_prompt(spec: RLJobSpec) -> int:

@@ -19,6 +19,10 @@ from rljob_operator.api import (
     RLJob,
     RLJobSpec,
     resolve_advantage_estimator,
+    resolve_clip_ratio_high,
+    resolve_dynamic_sampling,
+    resolve_loss_aggregation,
+    resolve_overlong,
     resolve_weight_sync_method,
     responses_per_prompt,
 )
@@ -153,6 +157,7 @@ def build_algorithm_config(spec: RLJobSpec) -> AlgorithmConfig:
     """Resolved RL hyper-parameters (estimator and policy loss derived from the spec)."""
     a = spec.algorithm
     estimator = resolve_advantage_estimator(spec.algorithm)
+    enabled, max_length, cache_length = resolve_overlong(spec)
     correction = spec.staleness.correction
     policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis"] = (
         "decoupled-ppo"
@@ -166,20 +171,16 @@ def build_algorithm_config(spec: RLJobSpec) -> AlgorithmConfig:
         advantage_estimator=estimator,
         policy_loss=policy_loss,
         clip_low=a.clip_ratio_low,
-        clip_high=a.clip_ratio_high,
+        clip_high=resolve_clip_ratio_high(a),
         dual_clip=a.dual_clip,
         kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator,
         gamma=a.gamma,
         lam=a.lam,
         group_size=a.group_size,
-        dynamic_sampling=a.dynamic_sampling,
-        overlong=OverlongConfig(
-            enabled=a.overlong_buffer.enabled,
-            max_length=a.overlong_buffer.max_length,
-            cache_length=a.overlong_buffer.cache_length,
-        ),
-        loss_aggregation=a.loss_aggregation,
+        dynamic_sampling=resolve_dynamic_sampling(a),
+        overlong=OverlongConfig(enabled=enabled, max_length=max_length, cache_length=cache_length),
+        loss_aggregation=resolve_loss_aggregation(a),
         learning_rate=a.learning_rate,
         critic_learning_rate=a.critic_learning_rate,
         batch_size=a.batch_size,

@@ -29,6 +29,7 @@ from rljob_operator.api import (
     is_on_policy,
     parse_rljob,
     resolve_advantage_estimator,
+    resolve_clip_ratio_high,
     resolve_topology,
     resolve_weight_sync_method,
     responses_per_prompt,
@@ -82,7 +83,7 @@ def test_parse_minimal_job_gets_documented_defaults() -> None:
     spec = _spec()
     assert spec.topology == "auto"
     assert spec.objective == "latency"
-    assert (spec.algorithm.clip_ratio_low, spec.algorithm.clip_ratio_high) == (0.2, 0.2)
+    assert (spec.algorithm.clip_ratio_low, resolve_clip_ratio_high(spec.algorithm)) == (0.2, 0.2)
     assert spec.algorithm.group_size == 8
     assert spec.algorithm.kl_coef == 0.0
     assert (spec.algorithm.gamma, spec.algorithm.lam) == (1.0, 0.95)

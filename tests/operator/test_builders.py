@@ -135,6 +135,53 @@ def test_build_worker_config_resolves_defaults() -> None:
     assert ppo.weight_sync.method == "inProcess"
 
 
+def _algorithm_of(algorithm: dict[str, Any], max_tokens: int = 10) -> Any:
+    job = load_example(
+        "grpo-colocated", algorithm=algorithm, rollout={"sampling": {"maxTokens": max_tokens}}
+    )
+    return build_worker_config(job.spec, REF, "colocated").algorithm
+
+
+def test_build_worker_config_dapo_name_means_the_papers_defaults() -> None:
+    dapo = _algorithm_of({"name": "dapo"}, max_tokens=10)
+    assert dapo.clip_low == pytest.approx(0.2) and dapo.clip_high == pytest.approx(0.28)
+    assert dapo.dynamic_sampling is True
+    assert (dapo.overlong.enabled, dapo.overlong.max_length, dapo.overlong.cache_length) == (
+        True,
+        10,
+        2,
+    )
+    assert dapo.loss_aggregation == "token-mean"
+    grpo = _algorithm_of({"name": "grpo"})
+    assert (grpo.clip_high, grpo.dynamic_sampling, grpo.overlong.enabled) == (0.2, False, False)
+
+
+def test_build_worker_config_dapo_defaults_are_overridable() -> None:
+    dapo = _algorithm_of(
+        {
+            "name": "dapo",
+            "clipRatioHigh": 0.2,
+            "dynamicSampling": False,
+            "overlongBuffer": {"enabled": False},
+        }
+    )
+    assert (dapo.clip_high, dapo.dynamic_sampling, dapo.overlong.enabled) == (0.2, False, False)
+
+
+def test_build_worker_config_dr_grpo_uses_the_constant_normaliser() -> None:
+    dr = _algorithm_of({"name": "grpo", "advantageEstimator": "dr-grpo"})
+    assert dr.loss_aggregation == "seq-mean-token-sum-norm"
+    chosen = _algorithm_of(
+        {"name": "grpo", "advantageEstimator": "dr-grpo", "lossAggregation": "token-mean"}
+    )
+    assert chosen.loss_aggregation == "token-mean"
+
+
+def test_build_worker_config_k2_and_k1_estimators_pass_through() -> None:
+    assert _algorithm_of({"name": "grpo", "klEstimator": "k2"}).kl_estimator == "k2"
+    assert _algorithm_of({"name": "grpo", "klEstimator": "k1"}).kl_estimator == "k1"
+
+
 def test_build_children_worker_role_allows_only_own_progress_configmap() -> None:
     objs = children("dapo-disaggregated")
     role = next(o for o in objs if o["kind"] == "Role")

@@ -540,7 +540,7 @@ MENU: dict[tuple[str, ...], list[Any]] = {
     ("algorithm", "clipRatioHigh"): [ABSENT, 0.28, 0.15],
     ("algorithm", "batchSize"): [ABSENT, 8],
     ("algorithm", "miniBatchSize"): [ABSENT, 8, 16, 128],
-    ("algorithm", "overlongBuffer", "enabled"): [ABSENT, True],
+    ("algorithm", "overlongBuffer", "enabled"): [ABSENT, True, False],
     ("algorithm", "overlongBuffer", "maxLength"): [ABSENT, 16, 2048],
     ("algorithm", "overlongBuffer", "cacheLength"): [ABSENT, 4, 16, 4096],
     ("task",): [
@@ -610,9 +610,14 @@ COUNTEREXAMPLES = {
     "group-size": {"algorithm": {"groupSize": 1}},
     "gae-needs-ppo": {"algorithm": {"advantageEstimator": "gae"}},
     "mini-batch": {"algorithm": {"batchSize": 4, "miniBatchSize": 8}},
-    "overlong-cache": {"algorithm": {"overlongBuffer": {"cacheLength": 2000}}},
+    "overlong-cache": {"algorithm": {"overlongBuffer": {"maxLength": 16, "cacheLength": 16}}},
+    "overlong-cache-max-tokens": {"algorithm": {"overlongBuffer": {"cacheLength": 2000}}},
     "overlong-max-tokens": {
-        "algorithm": {"overlongBuffer": {"enabled": True}},
+        "algorithm": {"overlongBuffer": {"enabled": True, "maxLength": 64}},
+        "rollout": {"sampling": {"maxTokens": 8}},
+    },
+    "overlong-max-tokens-dapo-default": {
+        "algorithm": {"name": "dapo", "overlongBuffer": {"maxLength": 64}},
         "rollout": {"sampling": {"maxTokens": 8}},
     },
     "task-source": {"task": {"builtin": {"name": "copy"}, "datasetPath": "/d.jsonl"}},
