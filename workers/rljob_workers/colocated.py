@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +114,9 @@ class _Rollout:
 class _Collected:
     """What one step's sampling produced, before training."""
 
-    rollout: _Rollout
+    rollout: _Rollout = field(default_factory=lambda: _Rollout([], [], [], [], [], []))
     generated_tokens: int = 0
-    sampled_rewards: list[float] | None = None
+    sampled_rewards: list[float] = field(default_factory=list)
     no_signal: int = 0
     nonfinite: int = 0
     rounds: int = 0
@@ -214,7 +214,7 @@ class ColocatedRuntime:
         record: dict[str, Any] = {
             "step": self.step,
             "policy_version": self.policy_version,
-            "reward_mean": self._global_mean(collected.sampled_rewards or []),
+            "reward_mean": self._global_mean(collected.sampled_rewards),
             "policy_lag_ms": lag_ms,
             "policy_lag_versions": float(max(0, steps - 1)),
             "step_time_s": finished - started,
@@ -277,14 +277,13 @@ class ColocatedRuntime:
         n = self.config.rollout.sampling.n
         target = self.prompts_per_rank * n
         rounds = MAX_SAMPLING_ROUNDS if algo.dynamic_sampling else 1
-        collected = _Collected(rollout=_Rollout([], [], [], [], [], []), sampled_rewards=[])
+        collected = _Collected()
         fallback: _Rollout | None = None
         for round_index in range(rounds):
             rollout, valid = self._generate(round_index)
             collected.rounds += 1
             collected.generated_tokens += sum(len(r) for r in rollout.response_ids)
             collected.nonfinite += len(rollout) - len(valid)
-            assert collected.sampled_rewards is not None
             collected.sampled_rewards += valid.task_rewards
             fallback = fallback or valid
             kept = valid
