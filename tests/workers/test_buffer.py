@@ -194,3 +194,16 @@ def test_buffer_invalid_settings_raise_naming_the_parameter(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         ExperienceBuffer(**kwargs)
+
+
+def test_buffer_bound_zero_keeps_current_version_and_hold_rule_agrees() -> None:
+    from rljob_workers.staleness import must_hold
+
+    buffer = ExperienceBuffer(capacity=4, max_staleness_versions=0)
+    buffer.add(traj("now", version=5), now=0.0)
+    buffer.add(traj("behind", version=4), now=0.0)
+
+    assert [t.id for t in buffer.take(4, current_version=5, now=0.0)] == ["now"]
+    assert buffer.dropped["stale_version"] == 1
+    # the same rule for a rollout: on the current version it generates, one behind it holds
+    assert not must_hold(5, 5, 0) and must_hold(5, 4, 0)
