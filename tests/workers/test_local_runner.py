@@ -3,7 +3,7 @@
 Aspects under test:
 - a bad config fails before any work: the worker exits 2 at once with one line per problem,
   each naming the RLJob field to fix, and writes no metrics;
-- disaggregated jobs: gae (a critic) is refused naming the field; the batch need not split
+- disaggregated jobs: gae is accepted (the trainer runs a critic); the batch need not split
   over the (elastic) rollouts, only over the trainers;
 - the runner renders a local config (loopback, free ports, paths in the work directory);
 - (slow) two actor processes train together over gloo: live progress, a final table, a JSON
@@ -109,11 +109,11 @@ def test_worker_missing_model_path_exits_before_any_work_naming_field(tmp_path):
     assert time.monotonic() - started < 120
 
 
-def test_validate_worker_config_disaggregated_refuses_gae_not_rollout_counts(tiny_model):
+def test_validate_worker_config_disaggregated_accepts_gae_checks_trainer_counts(tiny_model):
+    # the disaggregated trainer runs its own critic (#13 item 14): ppo with gae is accepted
     ppo = AlgorithmConfig(name="ppo", advantage_estimator="gae", batch_size=4, mini_batch_size=4)
     config = _config(tiny_model, topology="disaggregated", algorithm=ppo)
-    problems = validate_worker_config(config, ProcessEnv(role="trainer"))
-    assert [p.split(":", 1)[0] for p in problems] == ["spec.algorithm.advantageEstimator"]
+    assert validate_worker_config(config, ProcessEnv(role="trainer")) == []
     grpo = _config(tiny_model, topology="disaggregated")
     assert validate_worker_config(grpo, ProcessEnv(role="rollout", rank=2, world_size=3)) == []
     problems = validate_worker_config(grpo, ProcessEnv(role="trainer", rank=0, world_size=3))
