@@ -32,13 +32,13 @@ def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
             if obj["kind"] != "PodGroup" or exc.status != 404:
                 raise
             apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
-    if plan.status is not None:
+    if plan.status_patch is not None:
         kube.merge_patch(
             f"{GROUP}/{VERSION}",
             "RLJob",
             meta["namespace"],
             meta["name"],
-            {"status": plan.status},
+            {"status": plan.status_patch},
             subresource="status",
         )
     if plan.scale_to is not None:

@@ -97,7 +97,8 @@ class Plan:
 
     apply: tuple[dict[str, Any], ...] = ()
     delete: tuple[ObjectRef, ...] = ()
-    status: dict[str, Any] | None = None
+    status: dict[str, Any] | None = None  # the whole new status (None: unchanged)
+    status_patch: dict[str, Any] | None = None  # JSON merge patch old → new (nulls remove keys)
     events: tuple[EventSpec, ...] = ()
     scale_to: int | None = None
     requeue_after: float | None = None
@@ -117,6 +118,22 @@ class Plan:
 
 def _iso(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_patch_between(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: a key ``new`` lacks is
+    sent as null, because in a merge patch an absent key means "leave it as it is"."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            nested = merge_patch_between(before, value)
+            if nested:
+                patch[key] = nested
+        elif key not in old or value != before:
+            patch[key] = value
+    patch.update({key: None for key in old if key not in new})
+    return patch
 
 
 def _seconds(iso: str | None) -> float | None:
@@ -575,6 +592,7 @@ def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
         apply=to_apply,
         delete=tuple(work.delete),
         status=work.status if changed else None,
+        status_patch=merge_patch_between(ctx.old, work.status) if changed else None,
         events=tuple(work.events),
         scale_to=work.scale_to,
         requeue_after=requeue,
@@ -732,7 +750,12 @@ def _invalid_spec_plan(
     }
     if old.get("phase") == "Failed" and old.get("message") == message:
         return Plan(job_key=key)
-    return Plan(status=status, events=(EventSpec("Warning", "InvalidSpec", message),), job_key=key)
+    return Plan(
+        status=status,
+        status_patch=merge_patch_between(old, status),
+        events=(EventSpec("Warning", "InvalidSpec", message),),
+        job_key=key,
+    )
 
 
 def control_of(observed: Observed, ref: JobRef) -> Control:
