@@ -700,20 +700,66 @@ class Checkpoint(SpecModel):
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
 
 
+FailureReason = Literal["NodeLost", "Evicted", "DisruptionTarget", "OOMKilled", "Error"]
+FailureAction = Literal["Ignore", "RestartRole", "FailJob"]
+DISRUPTION_REASONS: tuple[FailureReason, ...] = ("NodeLost", "Evicted", "DisruptionTarget")
+"""Failures the cluster caused, not the job: replaced without counting unless a rule says else."""
+
+
+class FailureRule(SpecModel):
+    """What to do when a pod fails in a given way (in the spirit of JobSet's
+    failurePolicy.rules). A rule matches when every condition it sets matches; the first matching
+    rule wins."""
+
+    action: FailureAction = Field(
+        description="Ignore: replace the pod (a trainer or actor: its group) without counting "
+        "the restart against maxRestarts and without backoff. RestartRole: replace it and count "
+        "the restart (the default for a failure no rule matches). FailJob: fail the job at once."
+    )
+    on_reasons: list[FailureReason] = Field(
+        default_factory=list,
+        max_length=5,
+        description="Match these failure reasons: NodeLost (the pod's node is NotReady or "
+        "gone), Evicted (kubelet eviction), DisruptionTarget (preemption, taint eviction, API "
+        "eviction), OOMKilled, Error (the container exited non-zero). Empty: any reason.",
+    )
+    on_exit_codes: list[Annotated[int, Field(ge=0, le=255)]] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Match these container exit codes (e.g. 137). Empty: any exit code.",
+    )
+    roles: list[Literal["rollout", "trainer", "actor"]] = Field(
+        default_factory=list,
+        max_length=3,
+        description="Match pods of these roles (rollout, trainer, actor). Empty: every role.",
+    )
+
+
 class FailurePolicy(SpecModel):
-    """Restarts after pod failures: per role, with exponential backoff."""
+    """Restarts after pod failures: a budget per role, exponential backoff, and rules by failure
+    reason or exit code. By default node loss, eviction and preemption (DisruptionTarget) replace
+    pods without spending the budget; every other failure spends one restart of its role."""
 
     max_restarts: int = Field(
         3,
         ge=0,
         le=1000,
-        description="Restarts allowed per role before the job is Failed; 0 fails at once.",
+        description="Counted restarts allowed per role (rollout; trainer or actor) before the "
+        "job is Failed; 0 fails at the first counted one. A rollout pod is replaced alone, so "
+        "each failed rollout pod counts once; a trainer (actor) group restart counts once.",
     )
     backoff_seconds: float = Field(
         10.0, ge=0, le=86_400, description="Delay before the first restart; doubles each time."
     )
     max_backoff_seconds: float = Field(
         300.0, ge=0, le=86_400, description="Upper bound of the restart delay."
+    )
+    rules: list[FailureRule] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Rules by failure reason, exit code and role → Ignore, RestartRole or "
+        "FailJob; the first match wins. Without a match: NodeLost, Evicted and "
+        "DisruptionTarget are ignored (not counted), anything else is RestartRole.",
     )
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (

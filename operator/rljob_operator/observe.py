@@ -36,7 +36,7 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         gang_api = groups is not None
         present |= {("PodGroup", n) for n in groups or ()}
     node_names = {p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName")}
-    nodes = {n: observe_node_ready(kube, n) for n in sorted(node_names)}
+    nodes = {n: observe_node(kube, n) for n in sorted(node_names)}
     return Observed(
         job=job,
         pods=tuple(pods),
@@ -45,7 +45,8 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         secrets=frozenset([token["metadata"]["name"]] if token else []),
         present=frozenset(present),
         gang_api=gang_api,
-        nodes_ready=nodes,
+        nodes_ready={n: ready for n, (ready, _) in nodes.items()},
+        nodes_gone=frozenset(n for n, (_, gone) in nodes.items() if gone),
     )
 
 
@@ -63,10 +64,16 @@ def observe_pod_groups(
         raise
 
 
-def observe_node_ready(kube: Kube, name: str) -> bool:
-    """False when the node is gone or its Ready condition is not True."""
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+
+
+def observe_node(kube: Kube, name: str) -> tuple[bool, bool]:
+    """(ready, gone): ready when its Ready condition is True; gone when the node was deleted or
+    carries the out-of-service taint (its pods may be force-deleted)."""
     node = kube.get("v1", "Node", None, name)
     if node is None:
-        return False
+        return False, True
     conditions = node.get("status", {}).get("conditions", [])
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    taints = node.get("spec", {}).get("taints") or []
+    return ready, any(t.get("key") == OUT_OF_SERVICE_TAINT for t in taints)

@@ -10,8 +10,11 @@ Failover rules:
 - a failed rollout pod (or one on a NotReady / vanished node) is replaced alone;
 - a failed trainer pod restarts the whole trainer group from the last checkpoint while rollouts
   keep running (disaggregated); a failed actor restarts the whole actor gang (colocated);
-- restarts wait ``backoffSeconds * 2**(n-1)`` (capped at ``maxBackoffSeconds``) before pods are
-  re-created; more than ``failurePolicy.maxRestarts`` restarts of a role → phase Failed.
+- each failure gets an action from ``failurePolicy.rules`` (first match), else node loss,
+  eviction and preemption are ``Ignore`` (replaced, not counted) and the rest ``RestartRole``;
+- counted restarts wait ``backoffSeconds * 2**(n-1)`` (capped at ``maxBackoffSeconds``) before
+  pods are re-created; more than ``failurePolicy.maxRestarts`` of a role → phase Failed;
+- deletions are graceful; forced only for pods on a node that is gone or out of service.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rljob_operator.api import RLJobSpec, SpecError, parse_rljob, resolve_topology
+from rljob_operator.api import (
+    DISRUPTION_REASONS,
+    FailureReason,
+    RLJobSpec,
+    SpecError,
+    parse_rljob,
+    resolve_topology,
+)
 from rljob_operator.builders import (
     ANNOTATION_CONFIG_HASH,
     LABEL_INDEX,
@@ -73,6 +83,9 @@ class Observed:
     secrets: frozenset[str] = frozenset()
     present: frozenset[tuple[str, str]] = frozenset()  # (kind, name): RBAC objects, PodGroup
     nodes_ready: dict[str, bool] = field(default_factory=dict)
+    nodes_gone: frozenset[str] = (
+        frozenset()
+    )  # deleted, or tainted node.kubernetes.io/out-of-service
     gang_api: bool = True  # False: the PodGroup API (Volcano / scheduler-plugins) is not installed
 
 
@@ -81,7 +94,17 @@ class ObjectRef:
     api_version: str
     kind: str
     name: str
-    grace_seconds: int | None = None
+    grace_seconds: int | None = None  # None: the object's own grace period
+    replace: bool = False  # a failover replacement (the job is Restarting meanwhile)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a pod must be replaced: a failure reason of the failure policy, the exit code."""
+
+    reason: FailureReason
+    exit_code: int | None
+    text: str
 
 
 @dataclass(frozen=True)
@@ -159,19 +182,6 @@ def _role(pod: dict[str, Any]) -> str:
     return str(pod["metadata"].get("labels", {}).get(LABEL_ROLE, ""))
 
 
-def _broken(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> str | None:
-    """Why a pod must be replaced (failed, or its node is NotReady or gone), else None."""
-    phase = _pod_phase(pod)
-    if phase == "Terminating":
-        return None
-    if phase == "Failed":
-        return "Failed"
-    node = pod.get("spec", {}).get("nodeName")
-    if node and not nodes_ready.get(node, True):
-        return f"node {node} NotReady"
-    return None
-
-
 def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
     """Missing, or (for the operator-owned config) different data; progress is workers' to write."""
     if observed is None:
@@ -213,6 +223,7 @@ class _Pass:
     requeue: list[float] = field(default_factory=list)
     degraded_now: bool = False
     scale_to: int | None = None
+    fail_reason: str = "MaxRestartsExceeded"
 
 
 @dataclass(frozen=True)
@@ -397,38 +408,113 @@ def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool
     )
 
 
+def _failure(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> Failure | None:
+    """Why a pod must be replaced (its failure reason and exit code), else None."""
+    phase = _pod_phase(pod)
+    if phase == "Terminating":
+        return None
+    node = pod.get("spec", {}).get("nodeName")
+    node_lost = bool(node) and not nodes_ready.get(node, True)
+    status = pod.get("status", {})
+    if phase != "Failed":
+        return Failure("NodeLost", None, f"node {node} NotReady") if node_lost else None
+    code = _exit_code(status)
+    if status.get("reason") == "Evicted":
+        return Failure("Evicted", code, f"evicted: {status.get('message', '')}".strip(": "))
+    disruption = next(
+        (
+            c
+            for c in status.get("conditions", [])
+            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        ),
+        None,
+    )
+    if disruption is not None:
+        return Failure("DisruptionTarget", code, f"disrupted ({disruption.get('reason', '')})")
+    if node_lost:
+        return Failure("NodeLost", code, f"node {node} NotReady")
+    if _terminated_reason(status) == "OOMKilled":
+        return Failure("OOMKilled", code, "OOMKilled")
+    return Failure("Error", code, "Failed" if code is None else f"Failed (exit code {code})")
+
+
+def _terminated(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        c["state"]["terminated"]
+        for c in status.get("containerStatuses", [])
+        if c.get("state", {}).get("terminated")
+    ]
+
+
+def _exit_code(status: dict[str, Any]) -> int | None:
+    codes = [int(t.get("exitCode", 0)) for t in _terminated(status)]
+    return next((c for c in codes if c), codes[0] if codes else None)
+
+
+def _terminated_reason(status: dict[str, Any]) -> str | None:
+    return next((str(t["reason"]) for t in _terminated(status) if t.get("reason")), None)
+
+
+def _decide(spec: RLJobSpec, role: str, failure: Failure) -> tuple[str, str]:
+    """The failure-policy action for one failure, and which rule (or default) chose it."""
+    for i, rule in enumerate(spec.failure_policy.rules):
+        if (
+            (not rule.roles or role in rule.roles)
+            and (not rule.on_reasons or failure.reason in rule.on_reasons)
+            and (not rule.on_exit_codes or failure.exit_code in rule.on_exit_codes)
+        ):
+            return rule.action, f"spec.failurePolicy.rules[{i}]"
+    if failure.reason in DISRUPTION_REASONS:
+        return "Ignore", "default for disruptions"
+    return "RestartRole", "default"
+
+
 def _failover(
     observed: Observed, work: _Pass, spec: RLJobSpec, topology: Topology, now: float
 ) -> None:
-    """Role-scoped replacement of failed pods, with backoff and the restart limit."""
+    """Role-scoped replacement of failed pods, with backoff, failure rules and the budget."""
     restarts = dict(work.status.get("restarts") or {"rollout": 0, "trainer": 0})
+    for pod in observed.pods:
+        node = pod.get("spec", {}).get("nodeName")
+        if _pod_phase(pod) == "Terminating" and node in observed.nodes_gone:
+            name = pod["metadata"]["name"]
+            work.delete.append(ObjectRef("v1", "Pod", name, 0, replace=True))
+            work.events.append(
+                EventSpec(
+                    "Warning", "ForceDeleted", f"{name}: node {node} is gone or out of service"
+                )
+            )
     for role in roles_for(topology):
         counter = "rollout" if role == "rollout" else "trainer"
         pods = [p for p in observed.pods if _role(p) == role]
-        broken = {
-            p["metadata"]["name"]: why for p in pods if (why := _broken(p, observed.nodes_ready))
+        failures = {
+            p["metadata"]["name"]: f for p in pods if (f := _failure(p, observed.nodes_ready))
         }
-        if broken and role == "rollout":
-            for name, why in sorted(broken.items()):
-                work.delete.append(ObjectRef("v1", "Pod", name, grace_seconds=0))
-                work.events.append(EventSpec("Warning", "RolloutReplaced", f"{name}: {why}"))
-            restarts[counter] = restarts.get(counter, 0) + len(broken)
-            work.restarts[counter] = len(broken)
-        elif broken:
-            for pod in pods:
-                if _pod_phase(pod) != "Terminating":
-                    work.delete.append(ObjectRef("v1", "Pod", pod["metadata"]["name"], 0))
-            restarts[counter] = restarts.get(counter, 0) + 1
-            work.restarts[counter] = 1
-            work.status["lastRestartTime"] = _iso(now)
-            checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
-            work.status["resumeFrom"] = checkpoint
-            what = "trainer group" if role == "trainer" else "actor gang"
-            detail = ", ".join(f"{n}: {w}" for n, w in sorted(broken.items()))
-            resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
-            work.events.append(
-                EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}")
+        decided = {n: (*_decide(spec, role, f), f) for n, f in failures.items()}
+        fatal = [
+            (n, by, f) for n, (action, by, f) in sorted(decided.items()) if action == "FailJob"
+        ]
+        if fatal:
+            name, by, failure = fatal[0]
+            _fail(
+                work, observed, f"{name}: {failure.text}; {by} says FailJob", now, "FailurePolicy"
             )
+            break
+        counted = sorted(n for n, (action, _, _) in decided.items() if action == "RestartRole")
+        if failures and role == "rollout":
+            by_name = {p["metadata"]["name"]: p for p in pods}
+            for name, (_action, by, failure) in sorted(decided.items()):
+                work.delete.append(_replace(observed, by_name[name]))
+                note = "counted" if name in counted else f"not counted ({by})"
+                work.events.append(
+                    EventSpec("Warning", "RolloutReplaced", f"{name}: {failure.text}; {note}")
+                )
+            restarts[counter] = restarts.get(counter, 0) + len(counted)
+            work.restarts[counter] = len(failures)
+        elif failures:
+            _restart_group(observed, work, pods, role, decided, counted, now)
+            restarts[counter] = restarts.get(counter, 0) + (1 if counted else 0)
+            work.restarts[counter] = 1
         if restarts.get(counter, 0) > spec.failure_policy.max_restarts:
             _fail(
                 work,
@@ -448,16 +534,55 @@ def _failover(
     work.status["restarts"] = restarts
 
 
-def _fail(work: _Pass, observed: Observed, reason: str, now: float) -> None:
+def _restart_group(
+    observed: Observed,
+    work: _Pass,
+    pods: list[dict[str, Any]],
+    role: str,
+    decided: dict[str, tuple[str, str, Failure]],
+    counted: list[str],
+    now: float,
+) -> None:
+    """Delete the whole trainer group (or actor gang) to restart it from the last checkpoint."""
+    for pod in pods:
+        if _pod_phase(pod) != "Terminating":
+            work.delete.append(_replace(observed, pod))
+    if counted:  # backoff counts from counted restarts only
+        work.status["lastRestartTime"] = _iso(now)
+    checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
+    work.status["resumeFrom"] = checkpoint
+    what = "trainer group" if role == "trainer" else "actor gang"
+    detail = ", ".join(f"{n}: {f.text}" for n, (_, _, f) in sorted(decided.items()))
+    resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
+    note = "counted" if counted else f"not counted ({next(iter(decided.values()))[1]})"
+    work.events.append(
+        EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}; {note}")
+    )
+
+
+def _replace(observed: Observed, pod: dict[str, Any]) -> ObjectRef:
+    """Delete a pod to replace it: gracefully, with its own grace period (SIGTERM, time to save a
+    checkpoint); forced only when its node is gone or out of service, where no kubelet will ever
+    confirm the deletion (a forced delete on a merely NotReady node could start a second pod of
+    the same name while the first still runs)."""
+    node = pod.get("spec", {}).get("nodeName")
+    grace = 0 if node and node in observed.nodes_gone else None
+    return ObjectRef("v1", "Pod", pod["metadata"]["name"], grace, replace=True)
+
+
+def _fail(
+    work: _Pass, observed: Observed, reason: str, now: float, why: str = "MaxRestartsExceeded"
+) -> None:
     work.status["phase"] = "Failed"
     work.status["message"] = reason
     work.status["completionTime"] = _iso(now)
+    work.fail_reason = why
     deleting = {d.name for d in work.delete}
     for pod in observed.pods:
         name = pod["metadata"]["name"]
         if _pod_phase(pod) in ("Running", "Pending") and name not in deleting:
             work.delete.append(ObjectRef("v1", "Pod", name))
-    work.events.append(EventSpec("Warning", "MaxRestartsExceeded", reason))
+    work.events.append(EventSpec("Warning", why, reason))
 
 
 def _degrade(
@@ -622,7 +747,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             and int(p["metadata"]["labels"].get(LABEL_INDEX, 0)) < desired
         )
         per_role[role] = {"ready": ready, "desired": desired}
-    restarting = bool(work.hold_roles) or any(d.grace_seconds == 0 for d in work.delete)
+    restarting = bool(work.hold_roles) or any(d.replace for d in work.delete)
     if status.get("phase") not in FINISHED:
         if spec.suspend:
             status["phase"] = "Suspended"
@@ -650,7 +775,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
     if status["phase"] in ("Running", "Degraded") and not old.get("startTime"):
         status["startTime"] = _iso(now)
     status["conditions"] = _conditions(
-        old.get("conditions", []), status, bool(work.restarts), generation, now
+        old.get("conditions", []), status, bool(work.restarts), generation, now, work.fail_reason
     )
 
 
@@ -660,6 +785,7 @@ def _conditions(
     restarted: bool,
     generation: int,
     now: float,
+    fail_reason: str = "MaxRestartsExceeded",
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -697,7 +823,7 @@ def _conditions(
             "NotSuspended",
         ),
         "Succeeded": flag(phase == "Succeeded", "TotalStepsReached", message, "NotFinished"),
-        "Failed": flag(phase == "Failed", "MaxRestartsExceeded", message, "NotFailed"),
+        "Failed": flag(phase == "Failed", fail_reason, message, "NotFailed"),
     }
     by_type = {c["type"]: c for c in old}
     out = []
