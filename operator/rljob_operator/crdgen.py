@@ -125,6 +125,7 @@ def build_openapi_schema() -> dict[str, Any]:
             "status": model_schema(api.RLJobStatus, keep_defaults=False),
         },
         "required": ["spec"],
+        "x-kubernetes-validations": [r.to_validation() for r in api.OBJECT_RULES],
     }
     errors = structural_errors(schema)
     if errors:

@@ -201,6 +201,17 @@ def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
     return out
 
 
+def sticky_topology(spec: RLJobSpec, status: dict[str, Any]) -> Topology:
+    """The topology the job runs on: once resolved (``status.resolvedTopology``) it sticks, so a
+    later edit of objective or staleness never swaps the pod layout of a running job."""
+    resolved = status.get("resolvedTopology")
+    if resolved == "colocated":
+        return "colocated"
+    if resolved == "disaggregated":
+        return "disaggregated"
+    return resolve_topology(spec)[0]
+
+
 def _backoff(spec: RLJobSpec, restarts: int) -> float:
     policy = spec.failure_policy
     return float(
@@ -253,7 +264,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     except SpecError as err:
         return _invalid_spec_plan(key, old, generation, str(err), now)
     spec = job.spec
-    topology, _reason = resolve_topology(spec)
+    topology = sticky_topology(spec, old)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
     progress = read_progress(observed, ref)
     _report_progress(work, progress, spec, topology)
