@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from datetime import UTC, datetime
@@ -16,22 +17,35 @@ from rljob_operator.reconcile import GANG_UNAVAILABLE, TOKEN_PLACEHOLDER, EventS
 log = logging.getLogger(__name__)
 
 
-def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
-    """Server-side apply the desired children, delete the unwanted, write status, post Events."""
+REFUSED = (400, 403, 404, 409, 422)
+"""Statuses that mean the API server refused a child as written (retrying at once cannot help)."""
+
+
+def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> tuple[str, ...]:
+    """Server-side apply the desired children, delete the unwanted, write status, post Events.
+
+    Returns the API server's refusals of children (``<Kind> <name>: <server message>``); the
+    next pass reports them in a condition and an Event and retries with backoff."""
     meta = job["metadata"]
     for ref in plan.delete:  # deletes first: a crash after them never double-counts a restart
         kube.delete(
             ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
         )
+    refused: list[str] = []
     for obj in plan.apply:
         if obj["kind"] == "Secret":
             obj = _with_generated_token(obj)
         try:
             kube.server_side_apply(obj)
         except ApiException as exc:
-            if obj["kind"] != "PodGroup" or exc.status != 404:
+            if obj["kind"] == "PodGroup" and exc.status == 404:
+                apply_event(
+                    kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE)
+                )
+            elif exc.status in REFUSED:
+                refused.append(f"{obj['kind']} {obj['metadata']['name']}: {server_message(exc)}")
+            else:
                 raise
-            apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
     if plan.status_patch is not None:
         kube.merge_patch(
             f"{GROUP}/{VERSION}",
@@ -52,6 +66,15 @@ def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
         )
     for event in plan.events:
         apply_event(kube, job, event)
+    return tuple(refused)
+
+
+def server_message(exc: ApiException) -> str:
+    """The ``message`` of the API server's Status body (else its reason)."""
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except ValueError:
+        return str(exc.reason)
 
 
 def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:

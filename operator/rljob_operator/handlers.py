@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_operator import metrics
 from rljob_operator.api import GROUP, PLURAL, VERSION
-from rljob_operator.apply import apply_plan
+from rljob_operator.apply import apply_plan, server_message
 from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
 from rljob_operator.observe import observe_job
@@ -28,6 +29,7 @@ from rljob_operator.reconcile import Policy, reconcile
 RESYNC_SECONDS = 10.0
 log = logging.getLogger(__name__)
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
+_refusals: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
 _kube: Kube | None = None
 POLICY = Policy()
 
@@ -46,8 +48,15 @@ def reconcile_once(namespace: str, name: str) -> float | None:
     observed = observe_job(kube, namespace, name)
     if observed is None:
         return None
+    failures, errors = _refusals.get((namespace, name), (0, ()))
+    observed = dataclasses.replace(observed, apply_errors=errors, apply_failures=failures)
     plan = reconcile(observed, now=time.time(), policy=POLICY)
-    apply_plan(kube, observed.job, plan)
+    refused = apply_plan(kube, observed.job, plan)
+    if refused:
+        _refusals[(namespace, name)] = (failures + 1, refused)
+        log.warning("%s/%s: children refused: %s", namespace, name, "; ".join(refused))
+    else:
+        _refusals.pop((namespace, name), None)
     metrics.observe_reconcile(time.monotonic() - started, plan)
     return plan.requeue_after
 
@@ -79,11 +88,17 @@ async def on_daemon_rljob(
             wake.clear()
             try:
                 delay = await asyncio.to_thread(reconcile_once, namespace, name)
-            except ApiException as exc:
+            except ApiException as exc:  # an expected API error: one line, no traceback
                 if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
                     log.info("namespace %s is terminating; %s will go with it", namespace, name)
                 else:
-                    log.exception("reconcile of %s/%s failed; retrying", namespace, name)
+                    log.warning(
+                        "reconcile of %s/%s: API error %s %s; retrying",
+                        namespace,
+                        name,
+                        exc.status,
+                        server_message(exc),
+                    )
                 delay = 2.0
             except Exception:  # a failed pass is retried; the operator never crashes on one job
                 log.exception("reconcile of %s/%s failed; retrying", namespace, name)

@@ -87,6 +87,8 @@ class Observed:
         frozenset()
     )  # deleted, or tainted node.kubernetes.io/out-of-service
     gang_api: bool = True  # False: the PodGroup API (Volcano / scheduler-plugins) is not installed
+    apply_errors: tuple[str, ...] = ()  # the API server's refusals of children, last pass
+    apply_failures: int = 0  # passes in a row whose children were refused
 
 
 @dataclass(frozen=True)
@@ -723,6 +725,8 @@ def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
         and not work.delete
         and work.status.get("phase") in ("Running", "Suspended", *FINISHED)
     )
+    if ctx.observed.apply_errors:  # refused children: retry with exponential backoff
+        work.requeue.append(min(2.0 * 2 ** max(ctx.observed.apply_failures - 1, 0), 300.0))
     requeue = min(work.requeue) if work.requeue else (None if converged else 2.0)
     return Plan(
         apply=to_apply,
@@ -785,8 +789,19 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
     )
     if status["phase"] in ("Running", "Degraded") and not old.get("startTime"):
         status["startTime"] = _iso(now)
+    refused = observed.apply_errors
+    if refused:
+        if status["phase"] == "Pending":
+            status["message"] = "children refused by the API server: " + "; ".join(refused)
+        work.events.append(EventSpec("Warning", "ChildCreateFailed", "; ".join(refused)))
     status["conditions"] = _conditions(
-        old.get("conditions", []), status, bool(work.restarts), generation, now, work.fail_reason
+        old.get("conditions", []),
+        status,
+        bool(work.restarts),
+        generation,
+        now,
+        work.fail_reason,
+        refused,
     )
 
 
@@ -797,6 +812,7 @@ def _conditions(
     generation: int,
     now: float,
     fail_reason: str = "MaxRestartsExceeded",
+    refused: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -807,7 +823,9 @@ def _conditions(
         return ("True", reason_on, text_on) if on else ("False", reason_off, text_off)
 
     wanted = {
-        "Created": ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
+        "Created": ("False", "ChildCreateFailed", "; ".join(refused))
+        if refused
+        else ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
         "Running": flag(
             phase in ("Running", "Degraded"),
             "AllPodsReady",
