@@ -909,7 +909,9 @@ class RLJobSpec(SpecModel):
         None,
         max_length=_NAME_MAX,
         pattern=_DNS_SUBDOMAIN,
-        description="ServiceAccount of the worker pods. Unset: the namespace's default.",
+        description="ServiceAccount of the worker pods. Unset: <name>-worker, which the "
+        "operator creates. Either way the operator binds it to a Role that lets the workers "
+        "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
     )
     total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Random seed for sampling and training.")

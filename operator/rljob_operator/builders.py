@@ -325,8 +325,11 @@ def build_progress_configmap(job: JobRef) -> dict[str, Any]:
     }
 
 
-def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM."""
+def build_worker_rbac(job: JobRef, pod_account: str | None = None) -> list[dict[str, Any]]:
+    """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM.
+
+    The binding names the account the pods run as: ``pod_account`` (spec.serviceAccountName) when
+    set, else the job's own worker account."""
     name = worker_account_name(job)
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name)}
     role = {
@@ -347,7 +350,9 @@ def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
         "kind": "RoleBinding",
         "metadata": _metadata(job, name),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+        "subjects": [
+            {"kind": "ServiceAccount", "name": pod_account or name, "namespace": job.namespace}
+        ],
     }
     return [account, role, binding]
 
@@ -582,7 +587,7 @@ def build_children(
         )
     digest = restart_hash(config)
     objects = [build_configmap(ref, config, control), build_progress_configmap(ref)]
-    objects += [build_token_secret(ref, token), *build_worker_rbac(ref)]
+    objects += [build_token_secret(ref, token), *build_worker_rbac(ref, spec.service_account_name)]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
     if spec.scheduling.gang:

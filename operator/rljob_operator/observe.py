@@ -23,18 +23,20 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
     configmaps = kube.list("v1", "ConfigMap", namespace, selector)
     # the token Secret is read by name: the operator needs no permission to list Secrets
     token = kube.get("v1", "Secret", namespace, f"{name}-token")
-    present = {
-        ("ServiceAccount", a["metadata"]["name"])
+    children = {("Service", s["metadata"]["name"]): s for s in services}
+    children |= {
+        ("ServiceAccount", a["metadata"]["name"]): a
         for a in kube.list("v1", "ServiceAccount", namespace, selector)
     }
     for kind in ("Role", "RoleBinding"):
         items = kube.list("rbac.authorization.k8s.io/v1", kind, namespace, selector)
-        present |= {(kind, i["metadata"]["name"]) for i in items}
+        children |= {(kind, i["metadata"]["name"]): i for i in items}
     gang_api = True
     if job.get("spec", {}).get("scheduling", {}).get("gang"):
         groups = observe_pod_groups(kube, job, namespace, selector)
         gang_api = groups is not None
-        present |= {("PodGroup", n) for n in groups or ()}
+        children |= {("PodGroup", g["metadata"]["name"]): g for g in groups or ()}
+    present = set(children)
     node_names = {p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName")}
     nodes = {n: observe_node(kube, n) for n in sorted(node_names)}
     return Observed(
@@ -44,6 +46,7 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         configmaps={c["metadata"]["name"]: c for c in configmaps},
         secrets=frozenset([token["metadata"]["name"]] if token else []),
         present=frozenset(present),
+        children=children,
         gang_api=gang_api,
         nodes_ready={n: ready for n, (ready, _) in nodes.items()},
         nodes_gone=frozenset(n for n, (_, gone) in nodes.items() if gone),
@@ -52,12 +55,12 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
 
 def observe_pod_groups(
     kube: Kube, job: dict[str, Any], namespace: str, selector: str
-) -> set[str] | None:
-    """Names of the job's PodGroups; None when the PodGroup API is not installed."""
+) -> list[dict[str, Any]] | None:
+    """The job's PodGroups; None when the PodGroup API is not installed."""
     scheduler = job["spec"].get("scheduling", {}).get("schedulerName")
     api = PODGROUP_API[VOLCANO if scheduler == VOLCANO else "scheduler-plugins"]
     try:
-        return {g["metadata"]["name"] for g in kube.list(api, "PodGroup", namespace, selector)}
+        return kube.list(api, "PodGroup", namespace, selector)
     except ApiException as exc:
         if exc.status == 404:
             return None

@@ -82,6 +82,7 @@ class Observed:
     configmaps: dict[str, dict[str, Any]] = field(default_factory=dict)
     secrets: frozenset[str] = frozenset()
     present: frozenset[tuple[str, str]] = frozenset()  # (kind, name): RBAC objects, PodGroup
+    children: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # as read
     nodes_ready: dict[str, bool] = field(default_factory=dict)
     nodes_gone: frozenset[str] = (
         frozenset()
@@ -189,6 +190,24 @@ def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
     if observed is None:
         return True
     return "data" in desired and observed.get("data") != desired["data"]
+
+
+SYNCED_KINDS = ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup")
+"""Children kept in sync with the spec each pass (pods roll by config hash, the token Secret is
+never rewritten, ConfigMaps compare their data)."""
+
+
+def _covers(have: Any, want: Any) -> bool:
+    """Whether the object as read still holds every field we set (the server may add more)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(_covers(have.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(have) == len(want)
+            and all(_covers(h, w) for h, w in zip(have, want, strict=True))
+        )
+    return bool(have == want)
 
 
 def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
@@ -325,6 +344,8 @@ def _missing(
     hold_roles: set[str],
 ) -> bool:
     name, kind = obj["metadata"]["name"], obj["kind"]
+    if kind in SYNCED_KINDS and (kind, name) in observed.children:  # re-apply when it drifted
+        return not _covers(observed.children[(kind, name)], obj)
     if kind == "Pod":
         held = obj["metadata"]["labels"].get(LABEL_ROLE) in hold_roles
         return name not in pods and name not in deleting and not held
