@@ -81,7 +81,10 @@ class Kube:
         query: dict[str, str] | None = None,
         content_type: str = "application/json",
     ) -> Any:
-        """One REST call; returns the decoded JSON body (None for an empty body)."""
+        """One REST call; returns the decoded JSON body (None for an empty body). Every write
+        names this operator's field manager, so managedFields say who set what."""
+        if method in ("POST", "PUT", "PATCH"):
+            query = {"fieldManager": FIELD_MANAGER, **(query or {})}
         method_, url, headers, payload, post = self.api.param_serialize(
             method,
             path,

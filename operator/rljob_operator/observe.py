@@ -12,8 +12,13 @@ from rljob_operator.kube import Kube
 from rljob_operator.reconcile import Observed
 
 
-def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
-    """The job and its children as they are now; None when the job is gone."""
+def observe_job(
+    kube: Kube, namespace: str, name: str, tokens: set[str] | None = None
+) -> Observed | None:
+    """The job and its children as they are now; None when the job is gone.
+
+    ``tokens``: uids of jobs whose token Secret this process created or found (apply keeps it);
+    the operator may not read Secrets, so a job not in it gets its Secret created once more."""
     job = kube.get(f"{GROUP}/{VERSION}", "RLJob", namespace, name)
     if job is None:
         return None
@@ -21,8 +26,6 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
     pods = kube.list("v1", "Pod", namespace, selector)
     services = kube.list("v1", "Service", namespace, selector)
     configmaps = kube.list("v1", "ConfigMap", namespace, selector)
-    # the token Secret is read by name: the operator needs no permission to list Secrets
-    token = kube.get("v1", "Secret", namespace, f"{name}-token")
     children = {("Service", s["metadata"]["name"]): s for s in services}
     children |= {
         ("ServiceAccount", a["metadata"]["name"]): a
@@ -44,7 +47,9 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
         pods=tuple(pods),
         services=frozenset(s["metadata"]["name"] for s in services),
         configmaps={c["metadata"]["name"]: c for c in configmaps},
-        secrets=frozenset([token["metadata"]["name"]] if token else []),
+        secrets=frozenset(
+            [f"{name}-token"] if job["metadata"].get("uid") in (tokens or set()) else []
+        ),
         present=frozenset(present),
         children=children,
         gang_api=gang_api,

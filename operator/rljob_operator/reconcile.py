@@ -280,6 +280,8 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     key = f"{ref.namespace}/{ref.name}"
     old: dict[str, Any] = raw.get("status") or {}
     generation = int(meta.get("generation", 1))
+    if meta.get("deletionTimestamp"):  # going away: garbage collection takes the children
+        return Plan(job_key=key)
     try:
         job = parse_rljob(raw)
     except SpecError as err:
