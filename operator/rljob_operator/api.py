@@ -467,7 +467,8 @@ class Resources(SpecModel):
     requests: dict[str, Quantity] = Field(
         default_factory=dict,
         max_length=16,
-        description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}.",
+        description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}. cpu and memory default "
+        "to 1 and 2Gi when neither requests nor limits set them, so pods are never BestEffort.",
     )
     limits: dict[str, Quantity] = Field(
         default_factory=dict,
@@ -823,7 +824,8 @@ class Scheduling(SpecModel):
     tolerations: list[Toleration] = Field(
         default_factory=list,
         max_length=_LIST_MAX,
-        description="Tolerations added to every pod (GPU taints are tolerated automatically).",
+        description="Tolerations added to every pod. Pods that request GPUs also tolerate the "
+        "nvidia.com/gpu taint (NoSchedule) that GPU node pools usually carry.",
     )
 
 
@@ -904,6 +906,18 @@ class RLJobSpec(SpecModel):
         max_length=_LIST_MAX,
         description="Extra environment variables for every worker container.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    termination_grace_period_seconds: int = Field(
+        30,
+        ge=0,
+        le=86_400,
+        description="Seconds a worker gets between SIGTERM and SIGKILL when its pod is deleted "
+        "(restarts, scale-down, suspend); forced deletion happens only when the node is gone.",
+    )
+    shm_size: Quantity = Field(
+        "1Gi",
+        description="Size limit of /dev/shm (memory-backed; counts against the pod's memory), "
+        "e.g. 8Gi for NCCL and data loaders on GPU nodes.",
     )
     service_account_name: str | None = Field(
         None,

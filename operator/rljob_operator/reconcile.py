@@ -70,6 +70,7 @@ class Policy:
 
     scale_cooldown_seconds: float = 30.0
     progress_stale_seconds: float = 120.0
+    worker_env: tuple[tuple[str, str], ...] = ()  # NCCL_* of the operator, passed to workers
 
 
 @dataclass(frozen=True)
@@ -312,6 +313,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         restart_epochs={},
         control=control,
         resume_from=work.status.get("resumeFrom"),
+        worker_env=policy.worker_env,
     )
     pods_by_name = {p["metadata"]["name"]: p for p in observed.pods}
     deleting = {d.name for d in work.delete}
