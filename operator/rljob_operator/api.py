@@ -149,6 +149,7 @@ class SpecModel(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # as the API server: "yes" is no boolean, "3" no integer
         alias_generator=to_camel,
         validate_by_name=True,
         validate_by_alias=True,
@@ -1120,6 +1121,12 @@ class RLJobStatus(StatusModel):
     )
     last_restart_time: AwareDatetime | None = Field(
         None, description="When the operator last restarted a role (backoff counts from here)."
+    )
+    scale_owner: str | None = Field(
+        None,
+        max_length=128,
+        description="Field manager other than the operator (an HPA, kubectl scale) that wrote "
+        "the scale subresource; while set, the built-in rollout autoscaler stays off.",
     )
     last_scale_time: AwareDatetime | None = Field(
         None, description="When the built-in elastic policy last changed the rollout replicas."

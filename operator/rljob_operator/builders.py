@@ -42,6 +42,8 @@ from rljob_workers.config import (
     WorkerConfig,
 )
 
+FIELD_MANAGER = "rljob-operator"
+"""The field manager of every write the operator makes (managedFields say who set what)."""
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_INDEX = f"{GROUP}/replica-index"

@@ -14,7 +14,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-FIELD_MANAGER = "rljob-operator"
+from rljob_operator.builders import FIELD_MANAGER
 
 # kind -> (plural, namespaced)
 _KINDS: dict[str, tuple[str, bool]] = {

@@ -34,6 +34,7 @@ from rljob_operator.api import (
 )
 from rljob_operator.builders import (
     ANNOTATION_CONFIG_HASH,
+    FIELD_MANAGER,
     LABEL_INDEX,
     LABEL_ROLE,
     JobRef,
@@ -223,6 +224,17 @@ def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
     return out
 
 
+def _invalid_spec_fixed(status: dict[str, Any], generation: int) -> bool:
+    """Failed for an invalid spec at an older generation (and this one parses)."""
+    failed = next((c for c in status.get("conditions", []) if c.get("type") == "Failed"), None)
+    return (
+        status.get("phase") == "Failed"
+        and failed is not None
+        and failed.get("reason") == "InvalidSpec"
+        and failed.get("observedGeneration") != generation
+    )
+
+
 def sticky_topology(spec: RLJobSpec, status: dict[str, Any]) -> Topology:
     """The topology the job runs on: once resolved (``status.resolvedTopology``) it sticks, so a
     later edit of objective or staleness never swaps the pod layout of a running job."""
@@ -257,6 +269,7 @@ class _Pass:
     degraded_now: bool = False
     scale_to: int | None = None
     fail_reason: str = "MaxRestartsExceeded"
+    pending_why: str = ""  # the scheduler's message for a pod it cannot place
 
 
 @dataclass(frozen=True)
@@ -270,6 +283,7 @@ class _Job:
     old: dict[str, Any]
     generation: int
     now: float
+    stored: dict[str, Any]  # the status as the API server has it (what the patch starts from)
 
 
 def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -> Plan:
@@ -287,13 +301,17 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         job = parse_rljob(raw)
     except SpecError as err:
         return _invalid_spec_plan(key, old, generation, str(err), now)
+    stored = old
+    if _invalid_spec_fixed(old, generation):  # a new generation parses: start afresh
+        old = {k: v for k, v in old.items() if k not in ("phase", "message", "completionTime")}
+        old["conditions"] = []
     spec = job.spec
     topology = sticky_topology(spec, old)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
     progress = read_progress(observed, ref)
     _report_progress(work, progress, spec, topology)
 
-    ctx = _Job(observed, spec, topology, key, old, generation, now)
+    ctx = _Job(observed, spec, topology, key, old, generation, now, stored)
     if old.get("phase") in FINISHED:
         return _finished_plan(ctx)
     if _done(progress, spec, topology):
@@ -303,7 +321,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     if work.status.get("phase") == "Failed":
         return _plan(ctx, work, ())
     control = _degrade(work, spec, progress, old, now)
-    _elastic(work, spec, topology, progress, old, now, policy)
+    _elastic(work, spec, topology, progress, old, now, policy, observed.job)
 
     desired = build_children(
         job,
@@ -670,6 +688,14 @@ def _degrade(
     return Control(max_versions=tightened)
 
 
+def external_scaler(job: dict[str, Any]) -> str | None:
+    """The field manager, other than this operator, that wrote the scale subresource, if any."""
+    for entry in job.get("metadata", {}).get("managedFields") or []:
+        if entry.get("subresource") == "scale" and entry.get("manager") != FIELD_MANAGER:
+            return str(entry.get("manager") or "another client")
+    return None
+
+
 def _elastic(
     work: _Pass,
     spec: RLJobSpec,
@@ -678,12 +704,28 @@ def _elastic(
     old: dict[str, Any],
     now: float,
     policy: Policy,
+    job: dict[str, Any],
 ) -> None:
-    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown."""
+    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown; it
+    yields for good to any other writer of the scale subresource (one owner)."""
     rollout = spec.rollout
     if topology != "disaggregated" or rollout.min_replicas is None or rollout.max_replicas is None:
         return
     if rollout.min_replicas == rollout.max_replicas:
+        return
+    other = external_scaler(job)
+    if other:  # one owner of /scale: someone else (an HPA, kubectl scale) took it
+        if other != old.get("scaleOwner"):
+            work.events.append(
+                EventSpec(
+                    "Warning",
+                    "ScaleOwnedElsewhere",
+                    f"{other} writes the scale subresource; the built-in rollout autoscaler "
+                    "stops. Remove spec.rollout.minReplicas/maxReplicas to silence this, or "
+                    "stop the other scaler and re-create the job to hand it back",
+                )
+            )
+        work.status["scaleOwner"] = other
         return
     last = _seconds(old.get("lastScaleTime"))
     if last is not None and now - last < policy.scale_cooldown_seconds:
@@ -744,7 +786,7 @@ def _finished_plan(ctx: _Job) -> Plan:
 def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
     _fill_status(ctx, work)
     work.events[:0] = _transition_events(ctx.old, work.status)
-    changed = work.status != ctx.old
+    changed = work.status != ctx.stored
     converged = (
         not to_apply
         and not work.delete
@@ -757,7 +799,7 @@ def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
         apply=to_apply,
         delete=tuple(work.delete),
         status=work.status if changed else None,
-        status_patch=merge_patch_between(ctx.old, work.status) if changed else None,
+        status_patch=merge_patch_between(ctx.stored, work.status) if changed else None,
         events=tuple(work.events),
         scale_to=work.scale_to,
         requeue_after=requeue,
@@ -799,6 +841,10 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["phase"] = "Pending"
         if spec.suspend or (status["phase"] == "Running" and not work.restarts):
             status.pop("message", None)
+        waiting = _unschedulable(observed.pods) if status["phase"] == "Pending" else ""
+        if waiting:
+            status["message"] = waiting
+            work.pending_why = waiting
     lead = "actor" if topology == "colocated" else "rollout"
     empty = {"ready": 0, "desired": 0}
     status.update(
@@ -827,6 +873,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         now,
         work.fail_reason,
         refused,
+        work.pending_why,
     )
 
 
@@ -838,6 +885,7 @@ def _conditions(
     now: float,
     fail_reason: str = "MaxRestartsExceeded",
     refused: tuple[str, ...] = (),
+    pending_why: str = "",
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -855,8 +903,8 @@ def _conditions(
             phase in ("Running", "Degraded"),
             "AllPodsReady",
             "every pod of every role is ready",
-            "NotAllPodsReady",
-            f"phase {phase}",
+            "Unschedulable" if pending_why else "NotAllPodsReady",
+            pending_why or f"phase {phase}",
         ),
         "Degraded": flag(
             bool(status.get("degradeAction")),
@@ -898,6 +946,15 @@ def _conditions(
             }
         )
     return out
+
+
+def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:
+    """The scheduler's reason a pod is not placed (first one), e.g. insufficient nvidia.com/gpu."""
+    for pod in sorted(pods, key=lambda p: str(p["metadata"]["name"])):
+        for c in pod.get("status", {}).get("conditions", []):
+            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
+                return f"{pod['metadata']['name']} unschedulable: {c.get('message', '')}"
+    return ""
 
 
 def _transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
