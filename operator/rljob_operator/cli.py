@@ -141,7 +141,7 @@ def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -
     )
 
     elector = LeaderElector(
-        Kube.connect(),
+        Kube.connect(retries=False),
         namespace=args.leader_election_namespace or default_namespace(),
         name=args.leader_election_id,
         identity=default_identity(),
