@@ -31,14 +31,18 @@ from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
 from rljob_operator.observe import observe_job
 from rljob_operator.reconcile import FINISHED, Policy, reconcile
+from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX
 
 RESYNC_SECONDS = 300.0
 MIN_INTERVAL_SECONDS = 1.0
+PROGRESS_COALESCE_SECONDS = 3.0
+"""Heartbeats from every worker of a job within this window cost one pass."""
 log = logging.getLogger(__name__)
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _workers: dict[tuple[str, str], asyncio.Task[None]] = {}
 _refusals: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
 _tokens: set[str] = set()  # uids of jobs whose token Secret exists
+_nudges: dict[tuple[str, str], asyncio.TimerHandle] = {}
 _kube: Kube | None = None
 POLICY = Policy()
 
@@ -118,6 +122,18 @@ def _wake(namespace: str, name: str) -> None:
         event.set()
 
 
+def _wake_soon(key: tuple[str, str]) -> None:
+    """Wake the job's worker within PROGRESS_COALESCE_SECONDS (one pass for many heartbeats)."""
+    if key in _nudges or key not in _wakeups:
+        return
+
+    def fire() -> None:
+        _nudges.pop(key, None)
+        _wake(*key)
+
+    _nudges[key] = asyncio.get_running_loop().call_later(PROGRESS_COALESCE_SECONDS, fire)
+
+
 def _forget(key: tuple[str, str]) -> None:
     """A deleted job: stop its worker, drop it from the metrics and every cache."""
     task = _workers.pop(key, None)
@@ -125,6 +141,9 @@ def _forget(key: tuple[str, str]) -> None:
         task.cancel()
     _wakeups.pop(key, None)
     _refusals.pop(key, None)
+    nudge = _nudges.pop(key, None)
+    if nudge is not None:
+        nudge.cancel()
     metrics.forget_job(f"{key[0]}/{key[1]}")
 
 
@@ -141,6 +160,12 @@ def on_startup_configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 64
+    # server-side filtering: only the pods and ConfigMaps of RLJobs ever reach the operator
+    settings.watching.label_selectors[_children_of_rljobs] = LABEL_JOB
+
+
+def _children_of_rljobs(resource: kopf.Resource) -> bool:
+    return resource.group == "" and resource.plural in ("pods", "configmaps")
 
 
 @kopf.on.cleanup()
@@ -169,7 +194,19 @@ async def on_event_rljob(
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-@kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT})
-async def on_event_child(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    """Any change to a job's pod or ConfigMap (workers' progress reports) wakes its worker."""
+async def on_event_pod(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    """Any change to a job's pod wakes its worker."""
     _wake(namespace or "default", labels[LABEL_JOB])
+
+
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT})
+async def on_event_configmap(
+    labels: Mapping[str, str], name: str, namespace: str | None, **_: Any
+) -> None:
+    """A workers' progress report wakes the job's worker soon (coalesced); another change of one
+    of its ConfigMaps (someone edited the config) at once."""
+    key = (namespace or "default", labels[LABEL_JOB])
+    if name.endswith(PROGRESS_CONFIGMAP_SUFFIX):
+        _wake_soon(key)
+    else:
+        _wake(*key)

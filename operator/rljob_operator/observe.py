@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -73,11 +74,24 @@ def observe_pod_groups(
 
 
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+NODE_CACHE_SECONDS = 5.0
+_nodes: dict[str, tuple[float, tuple[bool, bool]]] = {}
+"""Node name → (read at, (ready, gone)): jobs sharing nodes share one GET per few seconds."""
 
 
 def observe_node(kube: Kube, name: str) -> tuple[bool, bool]:
     """(ready, gone): ready when its Ready condition is True; gone when the node was deleted or
     carries the out-of-service taint (its pods may be force-deleted)."""
+    now = time.monotonic()
+    cached = _nodes.get(name)
+    if cached is not None and now - cached[0] < NODE_CACHE_SECONDS:
+        return cached[1]
+    state = _read_node(kube, name)
+    _nodes[name] = (now, state)
+    return state
+
+
+def _read_node(kube: Kube, name: str) -> tuple[bool, bool]:
     node = kube.get("v1", "Node", None, name)
     if node is None:
         return False, True
