@@ -25,16 +25,20 @@ accounting and the end-of-run report of a local run) and the two entry points.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import statistics
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -413,6 +417,25 @@ def write_disaggregated_plots(
     figure.savefig(path)
     plt.close(figure)
     return [path]
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(stop: threading.Event, what: str) -> Iterator[None]:
+    """Within the block, SIGTERM sets ``stop`` instead of killing the process (main thread
+    only; ``what`` says in the log what the process does about it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("SIGTERM: %s", what)
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ----------------------------------------------------------------------------- entry points

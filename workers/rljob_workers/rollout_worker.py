@@ -21,18 +21,15 @@ the trainer, and the trainer never waits for it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import secrets
-import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -47,6 +44,7 @@ from rljob_workers.disaggregated import (
     effective_max_versions,
     finite_or_none,
     must_hold,
+    stop_on_sigterm,
 )
 from rljob_workers.engine import Completion, RolloutEngine, make_engine
 from rljob_workers.policy import DTYPES
@@ -360,26 +358,8 @@ class RolloutWorker:
         )
 
 
-@contextlib.contextmanager
-def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
-    """Within the block, SIGTERM sets ``stop`` instead of killing the process (main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        log.info("SIGTERM: finishing the current batch and leaving")
-        stop.set()
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_rollout_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     """The rollout process until SIGTERM (even one that arrives while the engine loads)."""
     stop = threading.Event()
-    with _stop_on_sigterm(stop):
+    with stop_on_sigterm(stop, "finishing the current batch and leaving"):
         return RolloutWorker(config, env, stop=stop).run()

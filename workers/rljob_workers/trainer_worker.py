@@ -33,6 +33,7 @@ import contextlib
 import logging
 import math
 import statistics
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from rljob_workers.disaggregated import (
     corrected_policy_loss,
     effective_max_versions,
     finite_or_none,
+    stop_on_sigterm,
 )
 from rljob_workers.policy import (
     PolicyModel,
@@ -393,6 +395,7 @@ class TrainerWorker:
         )
         self.step = 0
         self.version = 0
+        self.stop = threading.Event()  # set by SIGTERM: checkpoint and leave between steps
         self.last_checkpoint: str | None = None
         self._resume()
         self.accounting = StalenessAccounting(config.staleness.max_versions)
@@ -414,12 +417,41 @@ class TrainerWorker:
     # ----------------------------------------------------------------------------- loop
 
     def run(self) -> list[dict[str, Any]]:
-        """Train until ``total_steps``; return this rank's step records."""
+        """Train until ``total_steps`` (or ``stop``: SIGTERM); return this rank's step records.
+
+        Stopped early, rank 0 saves a checkpoint of the last finished step first, so a
+        restarted trainer group loses no finished step."""
         records = []
-        while self.step < self.config.total_steps:
+        while self.step < self.config.total_steps and not self.stop.is_set():
             records.append(self.train_step())
+        if self.stop.is_set() and self.step < self.config.total_steps:
+            self.checkpoint_now()
+            return records
         self.report_progress(done=True)
         return records
+
+    def checkpoint_now(self) -> str | None:
+        """Rank 0: checkpoint the last finished step now (no barrier: the other ranks may be
+        gone); tell the operator. None when there is nothing new to save."""
+        every = self.config.checkpoint.every_steps
+        already = every > 0 and self.step % every == 0  # _maybe_checkpoint saved this step
+        if not self.leader or self.step == 0 or already:
+            return None
+        path = save_checkpoint(
+            self.config.checkpoint.dir,
+            CheckpointState(
+                step=self.step,
+                policy_version=self.version,
+                extra={"job": self.config.job_name, "role": "trainer"},
+            ),
+            modules={"policy": self.policy},
+            optimizers={"policy": self.learner.optimizer},
+            keep=self.config.checkpoint.keep,
+        )
+        self.last_checkpoint = str(path)
+        self.report_progress(done=False)
+        log.info("stopped at step %d: checkpoint %s", self.step, path)
+        return self.last_checkpoint
 
     def report_progress(self, *, done: bool) -> None:
         """Rank 0: heartbeat to the operator; the accounting file every few steps and at the end."""
@@ -718,6 +750,7 @@ def run_trainer_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str,
     with _trainer_group(config, env):
         worker = TrainerWorker(config, env)
         try:
-            return worker.run()
+            with stop_on_sigterm(worker.stop, "checkpointing after the current step"):
+                return worker.run()
         finally:
             worker.close()
