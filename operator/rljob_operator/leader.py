@@ -231,7 +231,6 @@ class LeaderElector:
 
         With a ``deadline`` (clock seconds) every call is bounded by the time left to it, so a
         leader cut off from the API server knows it lost the Lease before the Lease expires."""
-        started = self.clock()
         current = self.kube.get(
             LEASE_API, "Lease", self.namespace, self.name, timeout=self._left(deadline)
         )
@@ -253,6 +252,7 @@ class LeaderElector:
             wall=datetime.now(UTC),
             previous=previous,
         )
+        sent = self.clock()  # others see this write only after it is sent
         try:
             if action is Action.CREATE:
                 written = self.kube.create(body)
@@ -265,7 +265,7 @@ class LeaderElector:
                 return False
             raise
         self._observed = ObservedLease(LeaseRecord.from_lease(written), self.clock())
-        self._renewed_at = started  # a standby saw this renewTime no earlier than this
+        self._renewed_at = sent  # a standby sees this renewTime no earlier than this
         if action is not Action.RENEW:
             log.info("became leader (%s Lease %s/%s)", action.value, self.namespace, self.name)
         return True
@@ -296,7 +296,7 @@ class LeaderElector:
     def renew_until_lost(self, on_lost: Callable[[], None]) -> None:
         """Renew every retry period; call ``on_lost`` once the Lease is gone or not renewable.
 
-        Renewal counts from the *start* of the last successful write, and every call is bounded
+        Renewal counts from when the last successful write was sent, and every call is bounded
         by the time left to ``last_renewed + renew_deadline``: the leader steps down by then at
         the latest, before any standby (counting ``lease_duration`` from when it saw that
         renewal) may take over."""
