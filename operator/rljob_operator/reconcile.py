@@ -367,7 +367,8 @@ def _missing(
 ) -> bool:
     name, kind = obj["metadata"]["name"], obj["kind"]
     if kind in SYNCED_KINDS and (kind, name) in observed.children:  # re-apply when it drifted
-        return not _covers(observed.children[(kind, name)], obj)
+        fields = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}  # not in lists
+        return not _covers(observed.children[(kind, name)], fields)
     if kind == "Pod":
         held = obj["metadata"]["labels"].get(LABEL_ROLE) in hold_roles
         return name not in pods and name not in deleting and not held

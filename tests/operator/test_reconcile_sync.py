@@ -28,8 +28,8 @@ def as_read(observed: Observed, raw: dict[str, Any]) -> Observed:
     children = {}
     for obj in objs:
         if obj["kind"] in ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup"):
-            read = copy.deepcopy(obj)
-            read["metadata"]["resourceVersion"] = "7"
+            read = {k: v for k, v in copy.deepcopy(obj).items() if k not in ("apiVersion", "kind")}
+            read["metadata"]["resourceVersion"] = "7"  # list items carry no apiVersion / kind
             if obj["kind"] == "Service":
                 read["spec"]["clusterIPs"] = ["None"]
                 for port in read["spec"]["ports"]:
