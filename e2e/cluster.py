@@ -329,7 +329,8 @@ current-context: rljob-local
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,DefaultTolerationSeconds,"
-            "ExtendedResourceToleration,LimitRanger,ResourceQuota,Priority",
+            "ExtendedResourceToleration,LimitRanger,ResourceQuota,Priority,"
+            "OwnerReferencesPermissionEnforcement",
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",

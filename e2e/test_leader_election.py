@@ -8,6 +8,9 @@
 - a leader stopped with SIGTERM releases the Lease (no holder left behind);
 - a leader whose Lease another holder took exits at once (exit code 1) for its Deployment to
   restart it, rather than act beside the new leader;
+- the API server paused (SIGSTOP) under two replicas: the leader exits within its renew deadline,
+  before its Lease could expire, so the standby that takes over after SIGCONT is the only one
+  acting;
 - two candidates racing for the same free Lease against the real API server: exactly one wins
   (the other's write carries a stale resourceVersion and is refused).
 """
@@ -198,6 +201,31 @@ def test_leader_lease_taken_by_another_exits(
     assert proc.returncode == 1
     assert "Lease lost" in leader.tail()
     assert holder(cluster, namespace) == "intruder"
+
+
+def test_api_server_paused_leader_steps_down_before_lease_expires_one_leader(
+    cluster: LocalCluster, namespace: str, replicas: list[OperatorProcess]
+) -> None:
+    leader, standby = replicas
+    start_leader_then_standby(cluster, namespace, replicas)
+    assert leader.proc is not None
+    apiserver = cluster.procs["kube-apiserver"]
+    apiserver.send_signal(signal.SIGSTOP)  # connections still open, nothing answers
+    paused = time.monotonic()
+    exited_at = None
+    try:
+        while time.monotonic() - paused < 6.0:  # past the 4 s lease
+            if exited_at is None and leader.proc.poll() is not None:
+                exited_at = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        apiserver.send_signal(signal.SIGCONT)
+    assert exited_at is not None, "the leader kept acting with the API server unreachable"
+    assert exited_at - paused < 4.0  # within the renew deadline (3 s), before the lease ends
+    assert leader.proc.returncode == 1
+    wait_for(lambda: holder(cluster, namespace) == identity(standby), 30, "standby to lead")
+    submit(cluster, namespace, "after-pause")
+    wait_running(cluster, namespace, "after-pause")
 
 
 def test_two_candidates_racing_for_free_lease_exactly_one_wins(

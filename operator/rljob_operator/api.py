@@ -149,6 +149,7 @@ class SpecModel(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # as the API server: "yes" is no boolean, "3" no integer
         alias_generator=to_camel,
         validate_by_name=True,
         validate_by_alias=True,
@@ -496,7 +497,8 @@ class Resources(SpecModel):
     requests: dict[str, Quantity] = Field(
         default_factory=dict,
         max_length=16,
-        description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}.",
+        description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}. cpu and memory default "
+        "to 1 and 2Gi when neither requests nor limits set them, so pods are never BestEffort.",
     )
     limits: dict[str, Quantity] = Field(
         default_factory=dict,
@@ -729,20 +731,66 @@ class Checkpoint(SpecModel):
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
 
 
+FailureReason = Literal["NodeLost", "Evicted", "DisruptionTarget", "OOMKilled", "Error"]
+FailureAction = Literal["Ignore", "RestartRole", "FailJob"]
+DISRUPTION_REASONS: tuple[FailureReason, ...] = ("NodeLost", "Evicted", "DisruptionTarget")
+"""Failures the cluster caused, not the job: replaced without counting unless a rule says else."""
+
+
+class FailureRule(SpecModel):
+    """What to do when a pod fails in a given way (in the spirit of JobSet's
+    failurePolicy.rules). A rule matches when every condition it sets matches; the first matching
+    rule wins."""
+
+    action: FailureAction = Field(
+        description="Ignore: replace the pod (a trainer or actor: its group) without counting "
+        "the restart against maxRestarts and without backoff. RestartRole: replace it and count "
+        "the restart (the default for a failure no rule matches). FailJob: fail the job at once."
+    )
+    on_reasons: list[FailureReason] = Field(
+        default_factory=list,
+        max_length=5,
+        description="Match these failure reasons: NodeLost (the pod's node is NotReady or "
+        "gone), Evicted (kubelet eviction), DisruptionTarget (preemption, taint eviction, API "
+        "eviction), OOMKilled, Error (the container exited non-zero). Empty: any reason.",
+    )
+    on_exit_codes: list[Annotated[int, Field(ge=0, le=255)]] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Match these container exit codes (e.g. 137). Empty: any exit code.",
+    )
+    roles: list[Literal["rollout", "trainer", "actor"]] = Field(
+        default_factory=list,
+        max_length=3,
+        description="Match pods of these roles (rollout, trainer, actor). Empty: every role.",
+    )
+
+
 class FailurePolicy(SpecModel):
-    """Restarts after pod failures: per role, with exponential backoff."""
+    """Restarts after pod failures: a budget per role, exponential backoff, and rules by failure
+    reason or exit code. By default node loss, eviction and preemption (DisruptionTarget) replace
+    pods without spending the budget; every other failure spends one restart of its role."""
 
     max_restarts: int = Field(
         3,
         ge=0,
         le=1000,
-        description="Restarts allowed per role before the job is Failed; 0 fails at once.",
+        description="Counted restarts allowed per role (rollout; trainer or actor) before the "
+        "job is Failed; 0 fails at the first counted one. A rollout pod is replaced alone, so "
+        "each failed rollout pod counts once; a trainer (actor) group restart counts once.",
     )
     backoff_seconds: float = Field(
         10.0, ge=0, le=86_400, description="Delay before the first restart; doubles each time."
     )
     max_backoff_seconds: float = Field(
         300.0, ge=0, le=86_400, description="Upper bound of the restart delay."
+    )
+    rules: list[FailureRule] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Rules by failure reason, exit code and role → Ignore, RestartRole or "
+        "FailJob; the first match wins. Without a match: NodeLost, Evicted and "
+        "DisruptionTarget are ignored (not counted), anything else is RestartRole.",
     )
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
@@ -806,7 +854,8 @@ class Scheduling(SpecModel):
     tolerations: list[Toleration] = Field(
         default_factory=list,
         max_length=_LIST_MAX,
-        description="Tolerations added to every pod (GPU taints are tolerated automatically).",
+        description="Tolerations added to every pod. Pods that request GPUs also tolerate the "
+        "nvidia.com/gpu taint (NoSchedule) that GPU node pools usually carry.",
     )
 
 
@@ -888,11 +937,25 @@ class RLJobSpec(SpecModel):
         description="Extra environment variables for every worker container.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    termination_grace_period_seconds: int = Field(
+        30,
+        ge=0,
+        le=86_400,
+        description="Seconds a worker gets between SIGTERM and SIGKILL when its pod is deleted "
+        "(restarts, scale-down, suspend); forced deletion happens only when the node is gone.",
+    )
+    shm_size: Quantity = Field(
+        "1Gi",
+        description="Size limit of /dev/shm (memory-backed; counts against the pod's memory), "
+        "e.g. 8Gi for NCCL and data loaders on GPU nodes.",
+    )
     service_account_name: str | None = Field(
         None,
         max_length=_NAME_MAX,
         pattern=_DNS_SUBDOMAIN,
-        description="ServiceAccount of the worker pods. Unset: the namespace's default.",
+        description="ServiceAccount of the worker pods. Unset: <name>-worker, which the "
+        "operator creates. Either way the operator binds it to a Role that lets the workers "
+        "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
     )
     total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Random seed for sampling and training.")
@@ -1105,6 +1168,12 @@ class RLJobStatus(StatusModel):
     last_restart_time: AwareDatetime | None = Field(
         None, description="When the operator last restarted a role (backoff counts from here)."
     )
+    scale_owner: str | None = Field(
+        None,
+        max_length=128,
+        description="Field manager other than the operator (an HPA, kubectl scale) that wrote "
+        "the scale subresource; while set, the built-in rollout autoscaler stays off.",
+    )
     last_scale_time: AwareDatetime | None = Field(
         None, description="When the built-in elastic policy last changed the rollout replicas."
     )
@@ -1144,6 +1213,130 @@ class RLJob(BaseModel):
     status: RLJobStatus | None = None
 
 
+# ------------------------------------------------------------------- whole-object rules
+
+NAME_MAX = 50
+"""Longest RLJob name: its longest child name, ``<name>-trainer-1023`` (a pod hostname), and every
+label value carrying the name must stay a DNS label of at most 63 characters."""
+_NAME_RE = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_RECREATE = (
+    "delete the RLJob and create it again (it resumes from spec.checkpoint.claimName when set)"
+)
+
+
+@dataclass(frozen=True)
+class ObjectRule:
+    """A rule on the whole RLJob object (root ``x-kubernetes-validations``). Transition rules
+    (``oldSelf``) compare an update with the stored object and are skipped on create.
+
+    ``holds(old, new)`` is the Python twin, reading the same camelCase JSON (``old`` None on
+    create)."""
+
+    rule: str
+    message: str
+    holds: Callable[[JsonObject | None, JsonObject], bool]
+    field_path: str | None  # None: metadata (the schema has no path into it)
+    reason: Literal["FieldValueInvalid", "FieldValueForbidden"] = "FieldValueForbidden"
+
+    def to_validation(self) -> dict[str, str]:
+        entry = {"rule": self.rule, "message": self.message, "reason": self.reason}
+        if self.field_path:
+            entry["fieldPath"] = self.field_path
+        return entry
+
+
+def _dig(obj: JsonObject | None, path: str) -> Any:
+    node: Any = obj
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _immutable(path: str, why: str) -> ObjectRule:
+    return ObjectRule(
+        rule=f"self.{path} == oldSelf.{path}",
+        message=f"{path} cannot change on an existing job ({why}); {_RECREATE}",
+        holds=lambda old, new: old is None or _dig(old, path) == _dig(new, path),
+        field_path=f".{path}",
+    )
+
+
+def _scale_fits(old: JsonObject | None, new: JsonObject) -> bool:
+    if old is None or _dig(old, "spec.rollout.replicas") == _dig(new, "spec.rollout.replicas"):
+        return True
+    resolved = _dig(new, "status.resolvedTopology")
+    if resolved is not None:
+        return bool(resolved == "disaggregated")
+    return bool(_dig(new, "spec.topology") != "colocated")
+
+
+_RESOURCE_NAME = (
+    r"^(cpu|memory|ephemeral-storage|hugepages-[0-9]+[KMGTPE]i?"
+    r"|[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
+)
+
+
+def _resource_names_rule(role: str) -> ObjectRule:
+    base = f"self.spec.{role}.resources"
+    checks = " && ".join(
+        f"(!has({base}.{k}) || {base}.{k}.all(r, r.matches('{_RESOURCE_NAME}')))"
+        for k in ("requests", "limits")
+    )
+
+    def holds(_old: JsonObject | None, new: JsonObject) -> bool:
+        res = _dig(new, f"spec.{role}.resources") or {}
+        names = [n for k in ("requests", "limits") for n in (res.get(k) or {})]
+        return all(re.fullmatch(_RESOURCE_NAME, str(n)) for n in names)
+
+    return ObjectRule(
+        rule=f"!has(self.spec.{role}) || !has({base}) || ({checks})",
+        message=f"spec.{role}.resources: resource names are cpu, memory, ephemeral-storage, "
+        "hugepages-<size> or an extended resource with a domain prefix (example.com/foo); "
+        "fix or remove the unknown key",
+        holds=holds,
+        field_path=f".spec.{role}.resources",
+        reason="FieldValueInvalid",
+    )
+
+
+OBJECT_RULES: tuple[ObjectRule, ...] = (
+    ObjectRule(
+        rule=f"size(self.metadata.name) <= {NAME_MAX} && self.metadata.name.matches('{_NAME_RE}')",
+        message=f"metadata.name must be at most {NAME_MAX} characters of a-z, 0-9 and '-', "
+        "starting with a letter (pod and Service names are built from it and must stay valid "
+        "DNS labels); pick a shorter name",
+        holds=lambda _old, new: bool(
+            len(str(_dig(new, "metadata.name") or "")) <= NAME_MAX
+            and re.fullmatch(_NAME_RE, str(_dig(new, "metadata.name") or ""))
+        ),
+        field_path=None,
+        reason="FieldValueInvalid",
+    ),
+    _immutable("spec.topology", "the pods are laid out for it"),
+    _immutable("spec.algorithm.name", "checkpoints and workers are built for it"),
+    _immutable("spec.model", "the policy being trained"),
+    _immutable("spec.trainer.replicas", "the trainers' data-parallel world size"),
+    ObjectRule(
+        rule="self.spec.rollout.replicas == oldSelf.spec.rollout.replicas || ("
+        "has(self.status) && has(self.status.resolvedTopology) ? "
+        "self.status.resolvedTopology == 'disaggregated' : self.spec.topology != 'colocated')",
+        message="spec.rollout.replicas: this job runs colocated (status.resolvedTopology), where "
+        "the rollout engine lives inside each of the spec.trainer.replicas actor pods, so "
+        "kubectl scale and spec.rollout.replicas do not apply; the actor group size is fixed: "
+        + _RECREATE,
+        holds=_scale_fits,
+        field_path=".spec.rollout.replicas",
+    ),
+    _resource_names_rule("rollout"),
+    _resource_names_rule("trainer"),
+)
+
+
+def object_rule_problems(old: JsonObject | None, new: JsonObject) -> list[str]:
+    """Messages of the whole-object rules ``new`` breaks (``old``: the stored object, if any)."""
+    return [r.message for r in OBJECT_RULES if not r.holds(old, new)]
+
+
 # ------------------------------------------------------------------------------- functions
 
 
@@ -1160,10 +1353,15 @@ def parse_rljob(obj: Mapping[str, Any]) -> RLJob:
 
     Raises ``SpecError`` listing every problem as ``<field path>: <what is wrong and the fix>``.
     """
+    named = bool(_dig(obj, "metadata.name"))
+    problems = object_rule_problems(None, obj) if named else []
     try:
-        return RLJob.model_validate(obj)
+        job = RLJob.model_validate(obj)
     except ValidationError as exc:
-        raise SpecError([p for e in exc.errors(include_url=False) for p in _describe(e)]) from None
+        problems += [p for e in exc.errors(include_url=False) for p in _describe(e)]
+    if problems:
+        raise SpecError(problems)
+    return job
 
 
 def is_on_policy(algorithm: AlgorithmName) -> bool:

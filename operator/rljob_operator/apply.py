@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,29 +18,49 @@ from rljob_operator.reconcile import GANG_UNAVAILABLE, TOKEN_PLACEHOLDER, EventS
 log = logging.getLogger(__name__)
 
 
-def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
-    """Server-side apply the desired children, delete the unwanted, write status, post Events."""
+REFUSED = (400, 403, 404, 409, 422)
+"""Statuses that mean the API server refused a child as written (retrying at once cannot help)."""
+
+
+def apply_plan(
+    kube: Kube, job: dict[str, Any], plan: Plan, tokens: set[str] | None = None
+) -> tuple[str, ...]:
+    """Server-side apply the desired children, delete the unwanted, write status, post Events.
+
+    Returns the API server's refusals of children (``<Kind> <name>: <server message>``); the
+    next pass reports them in a condition and an Event and retries with backoff."""
     meta = job["metadata"]
     for ref in plan.delete:  # deletes first: a crash after them never double-counts a restart
         kube.delete(
             ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
         )
+    refused: list[str] = []
     for obj in plan.apply:
-        if obj["kind"] == "Secret":
-            obj = _with_generated_token(obj)
         try:
-            kube.server_side_apply(obj)
+            if obj["kind"] == "Secret":
+                _create_token(kube, obj)
+                if tokens is not None:
+                    tokens.add(str(meta.get("uid")))
+            else:
+                kube.server_side_apply(obj)
         except ApiException as exc:
-            if obj["kind"] != "PodGroup" or exc.status != 404:
+            if obj["kind"] == "PodGroup" and exc.status == 404:
+                apply_event(
+                    kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE)
+                )
+            elif exc.status in REFUSED:
+                refused.append(f"{obj['kind']} {obj['metadata']['name']}: {server_message(exc)}")
+            else:
                 raise
-            apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
-    if plan.status is not None:
+    if plan.status_patch is not None:  # only on the job as observed (409 otherwise: no Events)
         kube.merge_patch(
             f"{GROUP}/{VERSION}",
             "RLJob",
             meta["namespace"],
             meta["name"],
-            {"status": plan.status},
+            {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": plan.status_patch}
+            if meta.get("resourceVersion")
+            else {"status": plan.status_patch},
             subresource="status",
         )
     if plan.scale_to is not None:
@@ -52,6 +74,25 @@ def apply_plan(kube: Kube, job: dict[str, Any], plan: Plan) -> None:
         )
     for event in plan.events:
         apply_event(kube, job, event)
+    return tuple(refused)
+
+
+def server_message(exc: ApiException) -> str:
+    """The ``message`` of the API server's Status body (else its reason)."""
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except ValueError:
+        return str(exc.reason)
+
+
+def _create_token(kube: Kube, obj: dict[str, Any]) -> None:
+    """Create the job's token Secret once; AlreadyExists means it is there (never rewritten:
+    running workers hold the token)."""
+    try:
+        kube.create(_with_generated_token(obj))
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
 
 
 def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:
@@ -62,11 +103,50 @@ def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "stringData": data}
 
 
+_EVENT_CACHE_SIZE = 4096
+_posted: OrderedDict[tuple[str, str, str, str], tuple[str, int]] = OrderedDict()
+"""(job uid, type, reason, message) → (Event name, count): repeats update one Event's count."""
+
+
 def apply_event(kube: Kube, job: dict[str, Any], event: EventSpec) -> None:
-    """Post a core/v1 Event about the job (best effort: a failed Event never fails a reconcile)."""
+    """Post a core/v1 Event about the job, or bump the count of the identical one posted before
+    (best effort: a failed Event never fails a reconcile)."""
     meta = job["metadata"]
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body = {
+    message = event.message[:1024]
+    key = (str(meta.get("uid")), event.type, event.reason, message)
+    try:
+        if key in _posted and _bump(kube, meta["namespace"], key, now):
+            return
+        created = kube.create(_event_body(job, event.type, event.reason, message, now))
+    except ApiException as exc:
+        log.warning("could not post event %s for %s: %s", event.reason, meta["name"], exc.reason)
+        return
+    _posted[key] = (str(created["metadata"]["name"]), 1)
+    while len(_posted) > _EVENT_CACHE_SIZE:
+        _posted.popitem(last=False)
+
+
+def _bump(kube: Kube, namespace: str, key: tuple[str, str, str, str], now: str) -> bool:
+    """Count one more occurrence on the Event posted before; False when it is gone (expired)."""
+    name, count = _posted[key]
+    try:
+        kube.merge_patch("v1", "Event", namespace, name, {"count": count + 1, "lastTimestamp": now})
+    except ApiException as exc:
+        if exc.status == 404:
+            del _posted[key]
+            return False
+        raise
+    _posted[key] = (name, count + 1)
+    _posted.move_to_end(key)
+    return True
+
+
+def _event_body(
+    job: dict[str, Any], type_: str, reason: str, message: str, now: str
+) -> dict[str, Any]:
+    meta = job["metadata"]
+    return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
@@ -77,16 +157,12 @@ def apply_event(kube: Kube, job: dict[str, Any], event: EventSpec) -> None:
             "namespace": meta["namespace"],
             "uid": meta["uid"],
         },
-        "type": event.type,
-        "reason": event.reason,
-        "message": event.message[:1024],
+        "type": type_,
+        "reason": reason,
+        "message": message,
         "source": {"component": "rljob-operator"},
         "reportingComponent": "rljob-operator",
         "firstTimestamp": now,
         "lastTimestamp": now,
         "count": 1,
     }
-    try:
-        kube.create(body)
-    except ApiException as exc:
-        log.warning("could not post event %s for %s: %s", event.reason, meta["name"], exc.reason)

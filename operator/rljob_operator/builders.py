@@ -46,6 +46,8 @@ from rljob_workers.config import (
     WorkerConfig,
 )
 
+FIELD_MANAGER = "rljob-operator"
+"""The field manager of every write the operator makes (managedFields say who set what)."""
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_INDEX = f"{GROUP}/replica-index"
@@ -58,6 +60,15 @@ MODEL_MOUNT = "/models"
 Role = Literal["actor", "rollout", "trainer"]
 Topology = Literal["colocated", "disaggregated"]
 PORTS = {"rendezvous": 29500, "experience": 29600, "weights": 29700, "metrics": 9400}
+DEFAULT_REQUESTS = {"cpu": "1", "memory": "2Gi"}
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+READINESS_PROBE = {
+    "httpGet": {"path": "/metrics", "port": "metrics"},
+    "periodSeconds": 10,
+    "failureThreshold": 3,
+}
+"""Ready = serving or training: a worker starts its /metrics endpoint only once its engine and
+model are loaded (rollout: vLLM up; trainer: model, optimizer and process group up)."""
 
 
 @dataclass(frozen=True)
@@ -326,8 +337,11 @@ def build_progress_configmap(job: JobRef) -> dict[str, Any]:
     }
 
 
-def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM."""
+def build_worker_rbac(job: JobRef, pod_account: str | None = None) -> list[dict[str, Any]]:
+    """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM.
+
+    The binding names the account the pods run as: ``pod_account`` (spec.serviceAccountName) when
+    set, else the job's own worker account."""
     name = worker_account_name(job)
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name)}
     role = {
@@ -348,7 +362,9 @@ def build_worker_rbac(job: JobRef) -> list[dict[str, Any]]:
         "kind": "RoleBinding",
         "metadata": _metadata(job, name),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+        "subjects": [
+            {"kind": "ServiceAccount", "name": pod_account or name, "namespace": job.namespace}
+        ],
     }
     return [account, role, binding]
 
@@ -419,8 +435,12 @@ def build_pod(
     topology: Topology,
     config_digest: str,
     restart_epoch: int = 0,
+    worker_env: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
-    """One worker pod with a stable name, GPU requests, rendezvous env and a locked-down context."""
+    """One worker pod with a stable name, GPU requests, rendezvous env and a locked-down context.
+
+    ``worker_env``: operator-wide variables (NCCL_* from the operator's environment) given to
+    every worker before spec.env, which wins on a clash."""
     world = role_replicas(spec, role)
     meta = _metadata(job, pod_name(job, role, index), role)
     meta["labels"][LABEL_INDEX] = str(index)
@@ -448,11 +468,11 @@ def build_pod(
             "fsGroup": 1000,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_container(spec, job, role, index, world, topology)],
+        "containers": [_container(spec, job, role, index, world, topology, worker_env)],
         "volumes": _volumes(spec, job),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
     }
-    _scheduling(pod_spec, spec)
+    _scheduling(pod_spec, spec, role_gpus(spec, role))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
@@ -465,7 +485,7 @@ def _queue_labels(spec: RLJobSpec, job: JobRef) -> dict[str, str]:
     }
 
 
-def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec) -> None:
+def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec, gpus: int) -> None:
     s = spec.scheduling
     if s.scheduler_name:
         pod_spec["schedulerName"] = s.scheduler_name
@@ -473,14 +493,21 @@ def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec) -> None:
         pod_spec["priorityClassName"] = s.priority_class_name
     if s.node_selector:
         pod_spec["nodeSelector"] = dict(s.node_selector)
-    if s.tolerations:
-        pod_spec["tolerations"] = [
-            t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations
-        ]
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations]
+    if gpus:
+        tolerations.append(GPU_TOLERATION)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
 
 
 def _container(
-    spec: RLJobSpec, job: JobRef, role: Role, index: int, world: int, topology: Topology
+    spec: RLJobSpec,
+    job: JobRef,
+    role: Role,
+    index: int,
+    world: int,
+    topology: Topology,
+    worker_env: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
     gpus = role_gpus(spec, role)
     resources_spec = spec.rollout.resources if role == "rollout" else spec.trainer.resources
@@ -505,6 +532,8 @@ def _container(
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
+    own = {e.name for e in spec.env}
+    env += [{"name": k, "value": v} for k, v in worker_env if k not in own]
     env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env]
     mounts = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
@@ -529,6 +558,10 @@ def _container(
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    for name, default in DEFAULT_REQUESTS.items():  # never BestEffort
+        if name not in requests and name not in limits:
+            requests[name] = default
+    container["readinessProbe"] = READINESS_PROBE
     if requests or limits:
         container["resources"] = {
             k: v for k, v in (("requests", requests), ("limits", limits)) if v
@@ -540,7 +573,7 @@ def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": configmap_name(job)}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}},
     ]
     if spec.checkpoint.claim_name:
         volumes.append(
@@ -573,6 +606,7 @@ def build_children(
     restart_epochs: dict[str, int],
     control: Control | None = None,
     resume_from: str | None = None,
+    worker_env: tuple[tuple[str, str], ...] = (),
 ) -> list[dict[str, Any]]:
     """Every object the job should own right now, in apply order."""
     spec = job.spec
@@ -583,7 +617,7 @@ def build_children(
         )
     digest = restart_hash(config)
     objects = [build_configmap(ref, config, control), build_progress_configmap(ref)]
-    objects += [build_token_secret(ref, token), *build_worker_rbac(ref)]
+    objects += [build_token_secret(ref, token), *build_worker_rbac(ref, spec.service_account_name)]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
     if spec.scheduling.gang:
@@ -600,6 +634,7 @@ def build_children(
                         topology=topology,
                         config_digest=digest,
                         restart_epoch=restart_epochs.get(role, 0),
+                        worker_env=worker_env,
                     )
                 )
     return objects

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -66,7 +67,10 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
     from rljob_operator import handlers  # registers the handlers
     from rljob_operator.reconcile import Policy
 
-    handlers.POLICY = Policy(scale_cooldown_seconds=args.scale_cooldown_seconds)
+    handlers.POLICY = Policy(
+        scale_cooldown_seconds=args.scale_cooldown_seconds,
+        worker_env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("NCCL_"))),
+    )
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -137,7 +141,7 @@ def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -
     )
 
     elector = LeaderElector(
-        Kube.connect(),
+        Kube.connect(retries=False),
         namespace=args.leader_election_namespace or default_namespace(),
         name=args.leader_election_id,
         identity=default_identity(),

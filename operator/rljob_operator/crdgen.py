@@ -125,6 +125,7 @@ def build_openapi_schema() -> dict[str, Any]:
             "status": model_schema(api.RLJobStatus, keep_defaults=False),
         },
         "required": ["spec"],
+        "x-kubernetes-validations": [r.to_validation() for r in api.OBJECT_RULES],
     }
     errors = structural_errors(schema)
     if errors:
@@ -308,7 +309,11 @@ def _list_map_errors(schema: Mapping[str, Any], at: str) -> list[str]:
 
 class _Dumper(yaml.SafeDumper):
     """Quotes every YAML 1.1 boolean/null word: kubectl's YAML reader takes a bare ``n`` or
-    ``y`` for a boolean, which PyYAML would leave unquoted."""
+    ``y`` for a boolean, which PyYAML would leave unquoted. Never writes anchors and aliases
+    (``&id001``): a shared sub-schema is written out in full wherever it appears."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 _YAML11_WORDS = re.compile(r"(?i:y|n|yes|no|true|false|on|off|null|~)")

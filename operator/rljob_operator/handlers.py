@@ -1,14 +1,21 @@
 """kopf glue: thin handlers that run observe → reconcile → apply for one RLJob.
 
-Each RLJob gets a daemon that reconciles whenever something about it changes (the job itself,
-one of its pods) and at least every ``RESYNC_SECONDS``. Reconcile is level-triggered and
-idempotent: after a crash or restart the daemon runs again and converges to the same children.
+Each RLJob the watch reports gets a worker task that reconciles whenever something about it
+changes (the job itself, one of its pods or ConfigMaps). Wake-ups that arrive during a pass, or
+within ``MIN_INTERVAL_SECONDS`` of the last one, coalesce into one pass. A job asks for its next
+pass itself (backoff, degrade delay, TTL); an idle running job is re-checked every
+``RESYNC_SECONDS``, a finished one only when something changes. Reconcile is level-triggered and
+idempotent: after a crash or restart the next pass converges to the same children.
+
+No finalizer: the children go with the RLJob by garbage collection (ownerReferences), so deleting
+a job never needs the operator, and an uninstalled operator leaves nothing stuck in Terminating.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -19,15 +26,23 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_operator import metrics
 from rljob_operator.api import GROUP, PLURAL, VERSION
-from rljob_operator.apply import apply_plan
+from rljob_operator.apply import apply_plan, server_message
 from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
 from rljob_operator.observe import observe_job
-from rljob_operator.reconcile import Policy, reconcile
+from rljob_operator.reconcile import FINISHED, Policy, reconcile
+from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX
 
-RESYNC_SECONDS = 10.0
+RESYNC_SECONDS = 300.0
+MIN_INTERVAL_SECONDS = 1.0
+PROGRESS_COALESCE_SECONDS = 3.0
+"""Heartbeats from every worker of a job within this window cost one pass."""
 log = logging.getLogger(__name__)
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
+_workers: dict[tuple[str, str], asyncio.Task[None]] = {}
+_refusals: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
+_tokens: set[str] = set()  # uids of jobs whose token Secret exists
+_nudges: dict[tuple[str, str], asyncio.TimerHandle] = {}
 _kube: Kube | None = None
 POLICY = Policy()
 
@@ -39,23 +54,103 @@ def _client() -> Kube:
     return _kube
 
 
-def reconcile_once(namespace: str, name: str) -> float | None:
-    """One observe → reconcile → apply pass; returns the requested requeue delay."""
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """What one pass asks for next: a delay (None: wait for a change), and whether it is over."""
+
+    delay: float | None
+    gone: bool = False
+
+
+def reconcile_once(namespace: str, name: str) -> Pass:
+    """One observe → reconcile → apply pass."""
     started = time.monotonic()
     kube = _client()
-    observed = observe_job(kube, namespace, name)
+    observed = observe_job(kube, namespace, name, _tokens)
     if observed is None:
-        return None
+        return Pass(None, gone=True)
+    failures, errors = _refusals.get((namespace, name), (0, ()))
+    observed = dataclasses.replace(observed, apply_errors=errors, apply_failures=failures)
     plan = reconcile(observed, now=time.time(), policy=POLICY)
-    apply_plan(kube, observed.job, plan)
+    refused = apply_plan(kube, observed.job, plan, _tokens)
+    if refused:
+        _refusals[(namespace, name)] = (failures + 1, refused)
+        log.warning("%s/%s: children refused: %s", namespace, name, "; ".join(refused))
+    else:
+        _refusals.pop((namespace, name), None)
     metrics.observe_reconcile(time.monotonic() - started, plan)
-    return plan.requeue_after
+    if plan.requeue_after is not None:
+        return Pass(plan.requeue_after)
+    phase = (plan.status or observed.job.get("status") or {}).get("phase")
+    return Pass(None if phase in FINISHED else RESYNC_SECONDS)
+
+
+async def _run_job(key: tuple[str, str]) -> None:
+    """Reconcile one job whenever it is woken (or its requested delay passes) until it is gone."""
+    namespace, name = key
+    wake = _wakeups[key]
+    while True:
+        wake.clear()
+        started = time.monotonic()
+        try:
+            step = await asyncio.to_thread(reconcile_once, namespace, name)
+        except ApiException as exc:  # an expected API error: one line, no traceback
+            if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
+                log.info("namespace %s is terminating; %s will go with it", namespace, name)
+            else:
+                log.warning(
+                    "reconcile of %s/%s: API error %s %s; retrying",
+                    namespace,
+                    name,
+                    exc.status,
+                    server_message(exc),
+                )
+            step = Pass(2.0)
+        except Exception:  # a failed pass is retried; the operator never crashes on one job
+            log.exception("reconcile of %s/%s failed; retrying", namespace, name)
+            step = Pass(2.0)
+        if step.gone:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=step.delay)
+        await asyncio.sleep(max(0.0, started + MIN_INTERVAL_SECONDS - time.monotonic()))
 
 
 def _wake(namespace: str, name: str) -> None:
     event = _wakeups.get((namespace, name))
     if event is not None:
         event.set()
+
+
+def _wake_soon(key: tuple[str, str]) -> None:
+    """Wake the job's worker within PROGRESS_COALESCE_SECONDS (one pass for many heartbeats)."""
+    if key in _nudges or key not in _wakeups:
+        return
+
+    def fire() -> None:
+        _nudges.pop(key, None)
+        _wake(*key)
+
+    _nudges[key] = asyncio.get_running_loop().call_later(PROGRESS_COALESCE_SECONDS, fire)
+
+
+def _forget(key: tuple[str, str]) -> None:
+    """A deleted job: stop its worker, drop it from the metrics and every cache."""
+    task = _workers.pop(key, None)
+    if task is not None:
+        task.cancel()
+    _wakeups.pop(key, None)
+    _refusals.pop(key, None)
+    nudge = _nudges.pop(key, None)
+    if nudge is not None:
+        nudge.cancel()
+    metrics.forget_job(f"{key[0]}/{key[1]}")
+
+
+def _done(key: tuple[str, str], task: asyncio.Task[None]) -> None:
+    if _workers.get(key) is task:  # the job is gone (or the worker was cancelled)
+        _workers.pop(key, None)
+        _wakeups.pop(key, None)
 
 
 @kopf.on.startup()
@@ -65,45 +160,53 @@ def on_startup_configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 64
+    # server-side filtering: only the pods and ConfigMaps of RLJobs ever reach the operator
+    settings.watching.label_selectors[_children_of_rljobs] = LABEL_JOB
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def on_daemon_rljob(
-    stopped: kopf.DaemonStopped, name: str, namespace: str | None, **_: Any
+def _children_of_rljobs(resource: kopf.Resource) -> bool:
+    return resource.group == "" and resource.plural in ("pods", "configmaps")
+
+
+@kopf.on.cleanup()
+async def on_cleanup_stop_workers(**_: Any) -> None:
+    """Operator shutdown: stop every job's worker (a pass in flight finishes in its thread)."""
+    for key in list(_workers):
+        _forget(key)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def on_event_rljob(
+    type: str | None, name: str, namespace: str | None, uid: str | None = None, **_: Any
 ) -> None:
-    """Reconcile one job until it is deleted (or the operator stops)."""
-    namespace = namespace or "default"
-    wake = _wakeups.setdefault((namespace, name), asyncio.Event())
-    try:
-        while not stopped:
-            wake.clear()
-            try:
-                delay = await asyncio.to_thread(reconcile_once, namespace, name)
-            except ApiException as exc:
-                if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
-                    log.info("namespace %s is terminating; %s will go with it", namespace, name)
-                else:
-                    log.exception("reconcile of %s/%s failed; retrying", namespace, name)
-                delay = 2.0
-            except Exception:  # a failed pass is retried; the operator never crashes on one job
-                log.exception("reconcile of %s/%s failed; retrying", namespace, name)
-                delay = 2.0
-            timeout = min(delay or RESYNC_SECONDS, RESYNC_SECONDS)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=timeout)
-    finally:
-        _wakeups.pop((namespace, name), None)
-
-
-@kopf.on.update(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-async def on_change_rljob(name: str, namespace: str | None, **_: Any) -> None:
-    """A spec change wakes the job's daemon at once."""
-    _wake(namespace or "default", name)
+    """Any change to an RLJob wakes its worker (started on first sight); deletion forgets it."""
+    key = (namespace or "default", name)
+    if type == "DELETED":
+        _forget(key)
+        _tokens.discard(str(uid))
+        return
+    if key not in _workers:
+        _wakeups[key] = asyncio.Event()
+        task = asyncio.create_task(_run_job(key), name=f"rljob {key[0]}/{key[1]}")
+        task.add_done_callback(lambda t: _done(key, t))
+        _workers[key] = task
+    _wake(*key)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-@kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT})
-async def on_event_child(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    """Any change to a job's pod or ConfigMap (workers' progress reports) wakes its daemon."""
+async def on_event_pod(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    """Any change to a job's pod wakes its worker."""
     _wake(namespace or "default", labels[LABEL_JOB])
+
+
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT})
+async def on_event_configmap(
+    labels: Mapping[str, str], name: str, namespace: str | None, **_: Any
+) -> None:
+    """A workers' progress report wakes the job's worker soon (coalesced); another change of one
+    of its ConfigMaps (someone edited the config) at once."""
+    key = (namespace or "default", labels[LABEL_JOB])
+    if name.endswith(PROGRESS_CONFIGMAP_SUFFIX):
+        _wake_soon(key)
+    else:
+        _wake(*key)

@@ -14,7 +14,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-FIELD_MANAGER = "rljob-operator"
+from rljob_operator.builders import FIELD_MANAGER
 
 # kind -> (plural, namespaced)
 _KINDS: dict[str, tuple[str, bool]] = {
@@ -58,8 +58,9 @@ class Kube:
     api: client.ApiClient
 
     @classmethod
-    def connect(cls, kubeconfig: str | None = None) -> Kube:
-        """Load in-cluster config when running in a pod, else the kubeconfig."""
+    def connect(cls, kubeconfig: str | None = None, *, retries: bool = True) -> Kube:
+        """Load in-cluster config when running in a pod, else the kubeconfig. ``retries=False``:
+        no transparent urllib3 retries, so a call's timeout bounds it (leader election)."""
         cfg = client.Configuration()
         try:
             config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
@@ -68,6 +69,8 @@ class Kube:
                 config_file=kubeconfig, client_configuration=cfg
             )
         cfg.connection_pool_maxsize = 32
+        if not retries:
+            cfg.retries = False
         if not cfg.verify_ssl:  # the kubeconfig asked for it (e.g. a loopback test cluster)
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         return cls(client.ApiClient(cfg))
@@ -80,8 +83,12 @@ class Kube:
         body: Any = None,
         query: dict[str, str] | None = None,
         content_type: str = "application/json",
+        timeout: float = 30.0,
     ) -> Any:
-        """One REST call; returns the decoded JSON body (None for an empty body)."""
+        """One REST call; returns the decoded JSON body (None for an empty body). Every write
+        names this operator's field manager, so managedFields say who set what."""
+        if method in ("POST", "PUT", "PATCH"):
+            query = {"fieldManager": FIELD_MANAGER, **(query or {})}
         method_, url, headers, payload, post = self.api.param_serialize(
             method,
             path,
@@ -91,7 +98,12 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         resp = self.api.call_api(
-            method_, url, header_params=headers, body=payload, post_params=post, _request_timeout=30
+            method_,
+            url,
+            header_params=headers,
+            body=payload,
+            post_params=post,
+            _request_timeout=timeout,
         )
         raw = resp.read()  # type: ignore[no-untyped-call]
         if resp.status >= 400:
@@ -99,10 +111,13 @@ class Kube:
             raise ApiException(status=resp.status, reason=resp.reason, body=text)
         return json.loads(raw) if raw else None
 
-    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Any | None:
+    def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str, timeout: float = 30.0
+    ) -> Any | None:
         """The object, or None when it does not exist."""
         try:
-            return self.request("GET", resource_path(api_version, kind, namespace, name))
+            path = resource_path(api_version, kind, namespace, name)
+            return self.request("GET", path, timeout=timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None

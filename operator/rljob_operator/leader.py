@@ -202,6 +202,7 @@ class LeaderElector:
     retry_period: float = 2.0
     clock: Callable[[], float] = time.monotonic
     _observed: ObservedLease | None = None
+    _renewed_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _renewer: threading.Thread | None = None
 
@@ -216,9 +217,23 @@ class LeaderElector:
     def path(self) -> str:
         return resource_path(LEASE_API, "Lease", self.namespace, self.name)
 
-    def try_once(self) -> bool:
-        """One round: read the Lease, decide, write; True when this replica holds it now."""
-        current = self.kube.get(LEASE_API, "Lease", self.namespace, self.name)
+    def _left(self, deadline: float | None) -> float:
+        """Seconds a call may take: what is left before ``deadline`` (30 s without one)."""
+        if deadline is None:
+            return 30.0
+        left = deadline - self.clock()
+        if left <= 0:
+            raise TimeoutError("renew deadline passed")
+        return left
+
+    def try_once(self, deadline: float | None = None) -> bool:
+        """One round: read the Lease, decide, write; True when this replica holds it now.
+
+        With a ``deadline`` (clock seconds) every call is bounded by the time left to it, so a
+        leader cut off from the API server knows it lost the Lease before the Lease expires."""
+        current = self.kube.get(
+            LEASE_API, "Lease", self.namespace, self.name, timeout=self._left(deadline)
+        )
         now = self.clock()
         if current is None:
             self._observed = None
@@ -237,23 +252,27 @@ class LeaderElector:
             wall=datetime.now(UTC),
             previous=previous,
         )
+        sent = self.clock()  # others see this write only after it is sent
         try:
             if action is Action.CREATE:
                 written = self.kube.create(body)
             else:
-                written = self.kube.request("PUT", self.path, body=body)
+                written = self.kube.request(
+                    "PUT", self.path, body=body, timeout=self._left(deadline)
+                )
         except ApiException as exc:
             if exc.status in (409, 422):  # another candidate wrote first
                 return False
             raise
         self._observed = ObservedLease(LeaseRecord.from_lease(written), self.clock())
+        self._renewed_at = sent  # a standby sees this renewTime no earlier than this
         if action is not Action.RENEW:
             log.info("became leader (%s Lease %s/%s)", action.value, self.namespace, self.name)
         return True
 
-    def _attempt(self) -> bool:
+    def _attempt(self, deadline: float | None = None) -> bool:
         try:
-            return self.try_once()
+            return self.try_once(deadline)
         except Exception as exc:  # the API server may be briefly unreachable: retry next period
             log.warning("leader election round failed: %s", exc)
             return False
@@ -275,11 +294,19 @@ class LeaderElector:
         return False
 
     def renew_until_lost(self, on_lost: Callable[[], None]) -> None:
-        """Renew every retry period; call ``on_lost`` once the Lease is gone or not renewable."""
-        last_renewed = self.clock()
-        while not self._stop.wait(self.retry_period):
-            if self._attempt():
-                last_renewed = self.clock()
+        """Renew every retry period; call ``on_lost`` once the Lease is gone or not renewable.
+
+        Renewal counts from when the last successful write was sent, and every call is bounded
+        by the time left to ``last_renewed + renew_deadline``: the leader steps down by then at
+        the latest, before any standby (counting ``lease_duration`` from when it saw that
+        renewal) may take over."""
+        last_renewed = self._renewed_at if self._renewed_at is not None else self.clock()
+        while True:
+            deadline = last_renewed + self.renew_deadline
+            if self._stop.wait(max(0.0, min(self.retry_period, deadline - self.clock()))):
+                return
+            if self._attempt(deadline):
+                last_renewed = self._renewed_at if self._renewed_at is not None else last_renewed
                 continue
             holder = self._observed.record.holder if self._observed else ""
             taken = bool(holder) and holder != self.identity

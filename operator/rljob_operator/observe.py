@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -12,8 +13,13 @@ from rljob_operator.kube import Kube
 from rljob_operator.reconcile import Observed
 
 
-def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
-    """The job and its children as they are now; None when the job is gone."""
+def observe_job(
+    kube: Kube, namespace: str, name: str, tokens: set[str] | None = None
+) -> Observed | None:
+    """The job and its children as they are now; None when the job is gone.
+
+    ``tokens``: uids of jobs whose token Secret this process created or found (apply keeps it);
+    the operator may not read Secrets, so a job not in it gets its Secret created once more."""
     job = kube.get(f"{GROUP}/{VERSION}", "RLJob", namespace, name)
     if job is None:
         return None
@@ -21,52 +27,75 @@ def observe_job(kube: Kube, namespace: str, name: str) -> Observed | None:
     pods = kube.list("v1", "Pod", namespace, selector)
     services = kube.list("v1", "Service", namespace, selector)
     configmaps = kube.list("v1", "ConfigMap", namespace, selector)
-    # the token Secret is read by name: the operator needs no permission to list Secrets
-    token = kube.get("v1", "Secret", namespace, f"{name}-token")
-    present = {
-        ("ServiceAccount", a["metadata"]["name"])
+    children = {("Service", s["metadata"]["name"]): s for s in services}
+    children |= {
+        ("ServiceAccount", a["metadata"]["name"]): a
         for a in kube.list("v1", "ServiceAccount", namespace, selector)
     }
     for kind in ("Role", "RoleBinding"):
         items = kube.list("rbac.authorization.k8s.io/v1", kind, namespace, selector)
-        present |= {(kind, i["metadata"]["name"]) for i in items}
+        children |= {(kind, i["metadata"]["name"]): i for i in items}
     gang_api = True
     if job.get("spec", {}).get("scheduling", {}).get("gang"):
         groups = observe_pod_groups(kube, job, namespace, selector)
         gang_api = groups is not None
-        present |= {("PodGroup", n) for n in groups or ()}
+        children |= {("PodGroup", g["metadata"]["name"]): g for g in groups or ()}
+    present = set(children)
     node_names = {p["spec"].get("nodeName") for p in pods if p["spec"].get("nodeName")}
-    nodes = {n: observe_node_ready(kube, n) for n in sorted(node_names)}
+    nodes = {n: observe_node(kube, n) for n in sorted(node_names)}
     return Observed(
         job=job,
         pods=tuple(pods),
         services=frozenset(s["metadata"]["name"] for s in services),
         configmaps={c["metadata"]["name"]: c for c in configmaps},
-        secrets=frozenset([token["metadata"]["name"]] if token else []),
+        secrets=frozenset(
+            [f"{name}-token"] if job["metadata"].get("uid") in (tokens or set()) else []
+        ),
         present=frozenset(present),
+        children=children,
         gang_api=gang_api,
-        nodes_ready=nodes,
+        nodes_ready={n: ready for n, (ready, _) in nodes.items()},
+        nodes_gone=frozenset(n for n, (_, gone) in nodes.items() if gone),
     )
 
 
 def observe_pod_groups(
     kube: Kube, job: dict[str, Any], namespace: str, selector: str
-) -> set[str] | None:
-    """Names of the job's PodGroups; None when the PodGroup API is not installed."""
+) -> list[dict[str, Any]] | None:
+    """The job's PodGroups; None when the PodGroup API is not installed."""
     scheduler = job["spec"].get("scheduling", {}).get("schedulerName")
     api = PODGROUP_API[VOLCANO if scheduler == VOLCANO else "scheduler-plugins"]
     try:
-        return {g["metadata"]["name"] for g in kube.list(api, "PodGroup", namespace, selector)}
+        return kube.list(api, "PodGroup", namespace, selector)
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
 
 
-def observe_node_ready(kube: Kube, name: str) -> bool:
-    """False when the node is gone or its Ready condition is not True."""
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+NODE_CACHE_SECONDS = 5.0
+_nodes: dict[str, tuple[float, tuple[bool, bool]]] = {}
+"""Node name → (read at, (ready, gone)): jobs sharing nodes share one GET per few seconds."""
+
+
+def observe_node(kube: Kube, name: str) -> tuple[bool, bool]:
+    """(ready, gone): ready when its Ready condition is True; gone when the node was deleted or
+    carries the out-of-service taint (its pods may be force-deleted)."""
+    now = time.monotonic()
+    cached = _nodes.get(name)
+    if cached is not None and now - cached[0] < NODE_CACHE_SECONDS:
+        return cached[1]
+    state = _read_node(kube, name)
+    _nodes[name] = (now, state)
+    return state
+
+
+def _read_node(kube: Kube, name: str) -> tuple[bool, bool]:
     node = kube.get("v1", "Node", None, name)
     if node is None:
-        return False
+        return False, True
     conditions = node.get("status", {}).get("conditions", [])
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    taints = node.get("spec", {}).get("taints") or []
+    return ready, any(t.get("key") == OUT_OF_SERVICE_TAINT for t in taints)

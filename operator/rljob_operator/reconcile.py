@@ -10,8 +10,11 @@ Failover rules:
 - a failed rollout pod (or one on a NotReady / vanished node) is replaced alone;
 - a failed trainer pod restarts the whole trainer group from the last checkpoint while rollouts
   keep running (disaggregated); a failed actor restarts the whole actor gang (colocated);
-- restarts wait ``backoffSeconds * 2**(n-1)`` (capped at ``maxBackoffSeconds``) before pods are
-  re-created; more than ``failurePolicy.maxRestarts`` restarts of a role → phase Failed.
+- each failure gets an action from ``failurePolicy.rules`` (first match), else node loss,
+  eviction and preemption are ``Ignore`` (replaced, not counted) and the rest ``RestartRole``;
+- counted restarts wait ``backoffSeconds * 2**(n-1)`` (capped at ``maxBackoffSeconds``) before
+  pods are re-created; more than ``failurePolicy.maxRestarts`` of a role → phase Failed;
+- deletions are graceful; forced only for pods on a node that is gone or out of service.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rljob_operator.api import RLJobSpec, SpecError, parse_rljob, resolve_topology
+from rljob_operator.api import (
+    DISRUPTION_REASONS,
+    FailureReason,
+    RLJobSpec,
+    SpecError,
+    parse_rljob,
+    resolve_topology,
+)
 from rljob_operator.builders import (
     ANNOTATION_CONFIG_HASH,
+    FIELD_MANAGER,
     LABEL_INDEX,
     LABEL_ROLE,
     JobRef,
@@ -60,6 +71,7 @@ class Policy:
 
     scale_cooldown_seconds: float = 30.0
     progress_stale_seconds: float = 120.0
+    worker_env: tuple[tuple[str, str], ...] = ()  # NCCL_* of the operator, passed to workers
 
 
 @dataclass(frozen=True)
@@ -72,8 +84,14 @@ class Observed:
     configmaps: dict[str, dict[str, Any]] = field(default_factory=dict)
     secrets: frozenset[str] = frozenset()
     present: frozenset[tuple[str, str]] = frozenset()  # (kind, name): RBAC objects, PodGroup
+    children: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # as read
     nodes_ready: dict[str, bool] = field(default_factory=dict)
+    nodes_gone: frozenset[str] = (
+        frozenset()
+    )  # deleted, or tainted node.kubernetes.io/out-of-service
     gang_api: bool = True  # False: the PodGroup API (Volcano / scheduler-plugins) is not installed
+    apply_errors: tuple[str, ...] = ()  # the API server's refusals of children, last pass
+    apply_failures: int = 0  # passes in a row whose children were refused
 
 
 @dataclass(frozen=True)
@@ -81,7 +99,17 @@ class ObjectRef:
     api_version: str
     kind: str
     name: str
-    grace_seconds: int | None = None
+    grace_seconds: int | None = None  # None: the object's own grace period
+    replace: bool = False  # a failover replacement (the job is Restarting meanwhile)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a pod must be replaced: a failure reason of the failure policy, the exit code."""
+
+    reason: FailureReason
+    exit_code: int | None
+    text: str
 
 
 @dataclass(frozen=True)
@@ -97,7 +125,8 @@ class Plan:
 
     apply: tuple[dict[str, Any], ...] = ()
     delete: tuple[ObjectRef, ...] = ()
-    status: dict[str, Any] | None = None
+    status: dict[str, Any] | None = None  # the whole new status (None: unchanged)
+    status_patch: dict[str, Any] | None = None  # JSON merge patch old → new (nulls remove keys)
     events: tuple[EventSpec, ...] = ()
     scale_to: int | None = None
     requeue_after: float | None = None
@@ -117,6 +146,22 @@ class Plan:
 
 def _iso(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_patch_between(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: a key ``new`` lacks is
+    sent as null, because in a merge patch an absent key means "leave it as it is"."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            nested = merge_patch_between(before, value)
+            if nested:
+                patch[key] = nested
+        elif key not in old or value != before:
+            patch[key] = value
+    patch.update({key: None for key in old if key not in new})
+    return patch
 
 
 def _seconds(iso: str | None) -> float | None:
@@ -142,24 +187,29 @@ def _role(pod: dict[str, Any]) -> str:
     return str(pod["metadata"].get("labels", {}).get(LABEL_ROLE, ""))
 
 
-def _broken(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> str | None:
-    """Why a pod must be replaced (failed, or its node is NotReady or gone), else None."""
-    phase = _pod_phase(pod)
-    if phase == "Terminating":
-        return None
-    if phase == "Failed":
-        return "Failed"
-    node = pod.get("spec", {}).get("nodeName")
-    if node and not nodes_ready.get(node, True):
-        return f"node {node} NotReady"
-    return None
-
-
 def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
     """Missing, or (for the operator-owned config) different data; progress is workers' to write."""
     if observed is None:
         return True
     return "data" in desired and observed.get("data") != desired["data"]
+
+
+SYNCED_KINDS = ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup")
+"""Children kept in sync with the spec each pass (pods roll by config hash, the token Secret is
+never rewritten, ConfigMaps compare their data)."""
+
+
+def _covers(have: Any, want: Any) -> bool:
+    """Whether the object as read still holds every field we set (the server may add more)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(_covers(have.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(have) == len(want)
+            and all(_covers(h, w) for h, w in zip(have, want, strict=True))
+        )
+    return bool(have == want)
 
 
 def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
@@ -172,6 +222,28 @@ def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
         except ValueError:
             continue
     return out
+
+
+def _invalid_spec_fixed(status: dict[str, Any], generation: int) -> bool:
+    """Failed for an invalid spec at an older generation (and this one parses)."""
+    failed = next((c for c in status.get("conditions", []) if c.get("type") == "Failed"), None)
+    return (
+        status.get("phase") == "Failed"
+        and failed is not None
+        and failed.get("reason") == "InvalidSpec"
+        and failed.get("observedGeneration") != generation
+    )
+
+
+def sticky_topology(spec: RLJobSpec, status: dict[str, Any]) -> Topology:
+    """The topology the job runs on: once resolved (``status.resolvedTopology``) it sticks, so a
+    later edit of objective or staleness never swaps the pod layout of a running job."""
+    resolved = status.get("resolvedTopology")
+    if resolved == "colocated":
+        return "colocated"
+    if resolved == "disaggregated":
+        return "disaggregated"
+    return resolve_topology(spec)[0]
 
 
 def _backoff(spec: RLJobSpec, restarts: int) -> float:
@@ -196,6 +268,8 @@ class _Pass:
     requeue: list[float] = field(default_factory=list)
     degraded_now: bool = False
     scale_to: int | None = None
+    fail_reason: str = "MaxRestartsExceeded"
+    pending_why: str = ""  # the scheduler's message for a pod it cannot place
 
 
 @dataclass(frozen=True)
@@ -209,6 +283,7 @@ class _Job:
     old: dict[str, Any]
     generation: int
     now: float
+    stored: dict[str, Any]  # the status as the API server has it (what the patch starts from)
 
 
 def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -> Plan:
@@ -220,17 +295,23 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     key = f"{ref.namespace}/{ref.name}"
     old: dict[str, Any] = raw.get("status") or {}
     generation = int(meta.get("generation", 1))
+    if meta.get("deletionTimestamp"):  # going away: garbage collection takes the children
+        return Plan(job_key=key)
     try:
         job = parse_rljob(raw)
     except SpecError as err:
         return _invalid_spec_plan(key, old, generation, str(err), now)
+    stored = old
+    if _invalid_spec_fixed(old, generation):  # a new generation parses: start afresh
+        old = {k: v for k, v in old.items() if k not in ("phase", "message", "completionTime")}
+        old["conditions"] = []
     spec = job.spec
-    topology, _reason = resolve_topology(spec)
+    topology = sticky_topology(spec, old)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
     progress = read_progress(observed, ref)
     _report_progress(work, progress, spec, topology)
 
-    ctx = _Job(observed, spec, topology, key, old, generation, now)
+    ctx = _Job(observed, spec, topology, key, old, generation, now, stored)
     if old.get("phase") in FINISHED:
         return _finished_plan(ctx)
     if _done(progress, spec, topology):
@@ -240,7 +321,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     if work.status.get("phase") == "Failed":
         return _plan(ctx, work, ())
     control = _degrade(work, spec, progress, old, now)
-    _elastic(work, spec, topology, progress, old, now, policy)
+    _elastic(work, spec, topology, progress, old, now, policy, observed.job)
 
     desired = build_children(
         job,
@@ -250,6 +331,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         restart_epochs={},
         control=control,
         resume_from=work.status.get("resumeFrom"),
+        worker_env=policy.worker_env,
     )
     pods_by_name = {p["metadata"]["name"]: p for p in observed.pods}
     deleting = {d.name for d in work.delete}
@@ -284,6 +366,9 @@ def _missing(
     hold_roles: set[str],
 ) -> bool:
     name, kind = obj["metadata"]["name"], obj["kind"]
+    if kind in SYNCED_KINDS and (kind, name) in observed.children:  # re-apply when it drifted
+        fields = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}  # not in lists
+        return not _covers(observed.children[(kind, name)], fields)
     if kind == "Pod":
         held = obj["metadata"]["labels"].get(LABEL_ROLE) in hold_roles
         return name not in pods and name not in deleting and not held
@@ -380,38 +465,113 @@ def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool
     )
 
 
+def _failure(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> Failure | None:
+    """Why a pod must be replaced (its failure reason and exit code), else None."""
+    phase = _pod_phase(pod)
+    if phase == "Terminating":
+        return None
+    node = pod.get("spec", {}).get("nodeName")
+    node_lost = bool(node) and not nodes_ready.get(node, True)
+    status = pod.get("status", {})
+    if phase != "Failed":
+        return Failure("NodeLost", None, f"node {node} NotReady") if node_lost else None
+    code = _exit_code(status)
+    if status.get("reason") == "Evicted":
+        return Failure("Evicted", code, f"evicted: {status.get('message', '')}".strip(": "))
+    disruption = next(
+        (
+            c
+            for c in status.get("conditions", [])
+            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        ),
+        None,
+    )
+    if disruption is not None:
+        return Failure("DisruptionTarget", code, f"disrupted ({disruption.get('reason', '')})")
+    if node_lost:
+        return Failure("NodeLost", code, f"node {node} NotReady")
+    if _terminated_reason(status) == "OOMKilled":
+        return Failure("OOMKilled", code, "OOMKilled")
+    return Failure("Error", code, "Failed" if code is None else f"Failed (exit code {code})")
+
+
+def _terminated(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        c["state"]["terminated"]
+        for c in status.get("containerStatuses", [])
+        if c.get("state", {}).get("terminated")
+    ]
+
+
+def _exit_code(status: dict[str, Any]) -> int | None:
+    codes = [int(t.get("exitCode", 0)) for t in _terminated(status)]
+    return next((c for c in codes if c), codes[0] if codes else None)
+
+
+def _terminated_reason(status: dict[str, Any]) -> str | None:
+    return next((str(t["reason"]) for t in _terminated(status) if t.get("reason")), None)
+
+
+def _decide(spec: RLJobSpec, role: str, failure: Failure) -> tuple[str, str]:
+    """The failure-policy action for one failure, and which rule (or default) chose it."""
+    for i, rule in enumerate(spec.failure_policy.rules):
+        if (
+            (not rule.roles or role in rule.roles)
+            and (not rule.on_reasons or failure.reason in rule.on_reasons)
+            and (not rule.on_exit_codes or failure.exit_code in rule.on_exit_codes)
+        ):
+            return rule.action, f"spec.failurePolicy.rules[{i}]"
+    if failure.reason in DISRUPTION_REASONS:
+        return "Ignore", "default for disruptions"
+    return "RestartRole", "default"
+
+
 def _failover(
     observed: Observed, work: _Pass, spec: RLJobSpec, topology: Topology, now: float
 ) -> None:
-    """Role-scoped replacement of failed pods, with backoff and the restart limit."""
+    """Role-scoped replacement of failed pods, with backoff, failure rules and the budget."""
     restarts = dict(work.status.get("restarts") or {"rollout": 0, "trainer": 0})
+    for pod in observed.pods:
+        node = pod.get("spec", {}).get("nodeName")
+        if _pod_phase(pod) == "Terminating" and node in observed.nodes_gone:
+            name = pod["metadata"]["name"]
+            work.delete.append(ObjectRef("v1", "Pod", name, 0, replace=True))
+            work.events.append(
+                EventSpec(
+                    "Warning", "ForceDeleted", f"{name}: node {node} is gone or out of service"
+                )
+            )
     for role in roles_for(topology):
         counter = "rollout" if role == "rollout" else "trainer"
         pods = [p for p in observed.pods if _role(p) == role]
-        broken = {
-            p["metadata"]["name"]: why for p in pods if (why := _broken(p, observed.nodes_ready))
+        failures = {
+            p["metadata"]["name"]: f for p in pods if (f := _failure(p, observed.nodes_ready))
         }
-        if broken and role == "rollout":
-            for name, why in sorted(broken.items()):
-                work.delete.append(ObjectRef("v1", "Pod", name, grace_seconds=0))
-                work.events.append(EventSpec("Warning", "RolloutReplaced", f"{name}: {why}"))
-            restarts[counter] = restarts.get(counter, 0) + len(broken)
-            work.restarts[counter] = len(broken)
-        elif broken:
-            for pod in pods:
-                if _pod_phase(pod) != "Terminating":
-                    work.delete.append(ObjectRef("v1", "Pod", pod["metadata"]["name"], 0))
-            restarts[counter] = restarts.get(counter, 0) + 1
-            work.restarts[counter] = 1
-            work.status["lastRestartTime"] = _iso(now)
-            checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
-            work.status["resumeFrom"] = checkpoint
-            what = "trainer group" if role == "trainer" else "actor gang"
-            detail = ", ".join(f"{n}: {w}" for n, w in sorted(broken.items()))
-            resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
-            work.events.append(
-                EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}")
+        decided = {n: (*_decide(spec, role, f), f) for n, f in failures.items()}
+        fatal = [
+            (n, by, f) for n, (action, by, f) in sorted(decided.items()) if action == "FailJob"
+        ]
+        if fatal:
+            name, by, failure = fatal[0]
+            _fail(
+                work, observed, f"{name}: {failure.text}; {by} says FailJob", now, "FailurePolicy"
             )
+            break
+        counted = sorted(n for n, (action, _, _) in decided.items() if action == "RestartRole")
+        if failures and role == "rollout":
+            by_name = {p["metadata"]["name"]: p for p in pods}
+            for name, (_action, by, failure) in sorted(decided.items()):
+                work.delete.append(_replace(observed, by_name[name]))
+                note = "counted" if name in counted else f"not counted ({by})"
+                work.events.append(
+                    EventSpec("Warning", "RolloutReplaced", f"{name}: {failure.text}; {note}")
+                )
+            restarts[counter] = restarts.get(counter, 0) + len(counted)
+            work.restarts[counter] = len(failures)
+        elif failures:
+            _restart_group(observed, work, pods, role, decided, counted, now)
+            restarts[counter] = restarts.get(counter, 0) + (1 if counted else 0)
+            work.restarts[counter] = 1
         if restarts.get(counter, 0) > spec.failure_policy.max_restarts:
             _fail(
                 work,
@@ -431,16 +591,55 @@ def _failover(
     work.status["restarts"] = restarts
 
 
-def _fail(work: _Pass, observed: Observed, reason: str, now: float) -> None:
+def _restart_group(
+    observed: Observed,
+    work: _Pass,
+    pods: list[dict[str, Any]],
+    role: str,
+    decided: dict[str, tuple[str, str, Failure]],
+    counted: list[str],
+    now: float,
+) -> None:
+    """Delete the whole trainer group (or actor gang) to restart it from the last checkpoint."""
+    for pod in pods:
+        if _pod_phase(pod) != "Terminating":
+            work.delete.append(_replace(observed, pod))
+    if counted:  # backoff counts from counted restarts only
+        work.status["lastRestartTime"] = _iso(now)
+    checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
+    work.status["resumeFrom"] = checkpoint
+    what = "trainer group" if role == "trainer" else "actor gang"
+    detail = ", ".join(f"{n}: {f.text}" for n, (_, _, f) in sorted(decided.items()))
+    resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
+    note = "counted" if counted else f"not counted ({next(iter(decided.values()))[1]})"
+    work.events.append(
+        EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}; {note}")
+    )
+
+
+def _replace(observed: Observed, pod: dict[str, Any]) -> ObjectRef:
+    """Delete a pod to replace it: gracefully, with its own grace period (SIGTERM, time to save a
+    checkpoint); forced only when its node is gone or out of service, where no kubelet will ever
+    confirm the deletion (a forced delete on a merely NotReady node could start a second pod of
+    the same name while the first still runs)."""
+    node = pod.get("spec", {}).get("nodeName")
+    grace = 0 if node and node in observed.nodes_gone else None
+    return ObjectRef("v1", "Pod", pod["metadata"]["name"], grace, replace=True)
+
+
+def _fail(
+    work: _Pass, observed: Observed, reason: str, now: float, why: str = "MaxRestartsExceeded"
+) -> None:
     work.status["phase"] = "Failed"
     work.status["message"] = reason
     work.status["completionTime"] = _iso(now)
+    work.fail_reason = why
     deleting = {d.name for d in work.delete}
     for pod in observed.pods:
         name = pod["metadata"]["name"]
         if _pod_phase(pod) in ("Running", "Pending") and name not in deleting:
             work.delete.append(ObjectRef("v1", "Pod", name))
-    work.events.append(EventSpec("Warning", "MaxRestartsExceeded", reason))
+    work.events.append(EventSpec("Warning", why, reason))
 
 
 def _degrade(
@@ -490,6 +689,14 @@ def _degrade(
     return Control(max_versions=tightened)
 
 
+def external_scaler(job: dict[str, Any]) -> str | None:
+    """The field manager, other than this operator, that wrote the scale subresource, if any."""
+    for entry in job.get("metadata", {}).get("managedFields") or []:
+        if entry.get("subresource") == "scale" and entry.get("manager") != FIELD_MANAGER:
+            return str(entry.get("manager") or "another client")
+    return None
+
+
 def _elastic(
     work: _Pass,
     spec: RLJobSpec,
@@ -498,12 +705,28 @@ def _elastic(
     old: dict[str, Any],
     now: float,
     policy: Policy,
+    job: dict[str, Any],
 ) -> None:
-    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown."""
+    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown; it
+    yields for good to any other writer of the scale subresource (one owner)."""
     rollout = spec.rollout
     if topology != "disaggregated" or rollout.min_replicas is None or rollout.max_replicas is None:
         return
     if rollout.min_replicas == rollout.max_replicas:
+        return
+    other = external_scaler(job)
+    if other:  # one owner of /scale: someone else (an HPA, kubectl scale) took it
+        if other != old.get("scaleOwner"):
+            work.events.append(
+                EventSpec(
+                    "Warning",
+                    "ScaleOwnedElsewhere",
+                    f"{other} writes the scale subresource; the built-in rollout autoscaler "
+                    "stops. Remove spec.rollout.minReplicas/maxReplicas to silence this, or "
+                    "stop the other scaler and re-create the job to hand it back",
+                )
+            )
+        work.status["scaleOwner"] = other
         return
     last = _seconds(old.get("lastScaleTime"))
     if last is not None and now - last < policy.scale_cooldown_seconds:
@@ -564,17 +787,20 @@ def _finished_plan(ctx: _Job) -> Plan:
 def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
     _fill_status(ctx, work)
     work.events[:0] = _transition_events(ctx.old, work.status)
-    changed = work.status != ctx.old
+    changed = work.status != ctx.stored
     converged = (
         not to_apply
         and not work.delete
         and work.status.get("phase") in ("Running", "Suspended", *FINISHED)
     )
+    if ctx.observed.apply_errors:  # refused children: retry with exponential backoff
+        work.requeue.append(min(2.0 * 2 ** max(ctx.observed.apply_failures - 1, 0), 300.0))
     requeue = min(work.requeue) if work.requeue else (None if converged else 2.0)
     return Plan(
         apply=to_apply,
         delete=tuple(work.delete),
         status=work.status if changed else None,
+        status_patch=merge_patch_between(ctx.stored, work.status) if changed else None,
         events=tuple(work.events),
         scale_to=work.scale_to,
         requeue_after=requeue,
@@ -604,7 +830,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             and int(p["metadata"]["labels"].get(LABEL_INDEX, 0)) < desired
         )
         per_role[role] = {"ready": ready, "desired": desired}
-    restarting = bool(work.hold_roles) or any(d.grace_seconds == 0 for d in work.delete)
+    restarting = bool(work.hold_roles) or any(d.replace for d in work.delete)
     if status.get("phase") not in FINISHED:
         if spec.suspend:
             status["phase"] = "Suspended"
@@ -616,6 +842,10 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["phase"] = "Pending"
         if spec.suspend or (status["phase"] == "Running" and not work.restarts):
             status.pop("message", None)
+        waiting = _unschedulable(observed.pods) if status["phase"] == "Pending" else ""
+        if waiting:
+            status["message"] = waiting
+            work.pending_why = waiting
     lead = "actor" if topology == "colocated" else "rollout"
     empty = {"ready": 0, "desired": 0}
     status.update(
@@ -631,8 +861,20 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
     )
     if status["phase"] in ("Running", "Degraded") and not old.get("startTime"):
         status["startTime"] = _iso(now)
+    refused = observed.apply_errors
+    if refused:
+        if status["phase"] == "Pending":
+            status["message"] = "children refused by the API server: " + "; ".join(refused)
+        work.events.append(EventSpec("Warning", "ChildCreateFailed", "; ".join(refused)))
     status["conditions"] = _conditions(
-        old.get("conditions", []), status, bool(work.restarts), generation, now
+        old.get("conditions", []),
+        status,
+        bool(work.restarts),
+        generation,
+        now,
+        work.fail_reason,
+        refused,
+        work.pending_why,
     )
 
 
@@ -642,6 +884,9 @@ def _conditions(
     restarted: bool,
     generation: int,
     now: float,
+    fail_reason: str = "MaxRestartsExceeded",
+    refused: tuple[str, ...] = (),
+    pending_why: str = "",
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -652,13 +897,15 @@ def _conditions(
         return ("True", reason_on, text_on) if on else ("False", reason_off, text_off)
 
     wanted = {
-        "Created": ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
+        "Created": ("False", "ChildCreateFailed", "; ".join(refused))
+        if refused
+        else ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
         "Running": flag(
             phase in ("Running", "Degraded"),
             "AllPodsReady",
             "every pod of every role is ready",
-            "NotAllPodsReady",
-            f"phase {phase}",
+            "Unschedulable" if pending_why else "NotAllPodsReady",
+            pending_why or f"phase {phase}",
         ),
         "Degraded": flag(
             bool(status.get("degradeAction")),
@@ -679,7 +926,7 @@ def _conditions(
             "NotSuspended",
         ),
         "Succeeded": flag(phase == "Succeeded", "TotalStepsReached", message, "NotFinished"),
-        "Failed": flag(phase == "Failed", "MaxRestartsExceeded", message, "NotFailed"),
+        "Failed": flag(phase == "Failed", fail_reason, message, "NotFailed"),
     }
     by_type = {c["type"]: c for c in old}
     out = []
@@ -700,6 +947,15 @@ def _conditions(
             }
         )
     return out
+
+
+def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:
+    """The scheduler's reason a pod is not placed (first one), e.g. insufficient nvidia.com/gpu."""
+    for pod in sorted(pods, key=lambda p: str(p["metadata"]["name"])):
+        for c in pod.get("status", {}).get("conditions", []):
+            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
+                return f"{pod['metadata']['name']} unschedulable: {c.get('message', '')}"
+    return ""
 
 
 def _transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
@@ -732,7 +988,12 @@ def _invalid_spec_plan(
     }
     if old.get("phase") == "Failed" and old.get("message") == message:
         return Plan(job_key=key)
-    return Plan(status=status, events=(EventSpec("Warning", "InvalidSpec", message),), job_key=key)
+    return Plan(
+        status=status,
+        status_patch=merge_patch_between(old, status),
+        events=(EventSpec("Warning", "InvalidSpec", message),),
+        job_key=key,
+    )
 
 
 def control_of(observed: Observed, ref: JobRef) -> Control:

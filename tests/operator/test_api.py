@@ -540,3 +540,15 @@ def test_status_written_by_operator_parses_and_ignores_unknown_fields() -> None:
 def test_status_unknown_phase_is_rejected() -> None:
     with pytest.raises(ValueError, match="phase"):
         RLJobStatus.model_validate({"phase": "Exploded"})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("suspend", "yes"), ("suspend", 1), ("totalSteps", "100"), ("seed", 1.5)],
+)
+def test_parse_rljob_strict_types_like_the_api_server(field: str, value: object) -> None:
+    raw = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    raw["spec"][field] = value
+    with pytest.raises(SpecError) as info:
+        parse_rljob(raw)
+    assert info.value.problems[0].startswith(f"spec.{field}: Input should be a valid")

@@ -114,7 +114,8 @@ def test_build_pod_passes_scheduling_fields_through() -> None:
     assert spec["priorityClassName"] == "rl-high"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert spec["tolerations"] == [
-        {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}
+        {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
     ]
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-queue"
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo"
@@ -219,3 +220,39 @@ def test_build_children_gang_adds_pod_group_and_pod_labels() -> None:
     pod = next(o for o in objs if o["kind"] == "Pod")
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "demo"
     assert pod["spec"]["schedulerName"] == "volcano"
+
+
+def test_build_pod_hygiene_probe_requests_shm_grace_gpu_toleration() -> None:
+    job = load_example(
+        "dapo-disaggregated",
+        terminationGracePeriodSeconds=120,
+        shmSize="8Gi",
+        trainer={"gpusPerReplica": 0, "resources": {"limits": {"memory": "4Gi"}}},
+    )
+    rollout = build_pod(job.spec, REF, "rollout", 0, topology="disaggregated", config_digest="a")
+    trainer = build_pod(job.spec, REF, "trainer", 0, topology="disaggregated", config_digest="a")
+    container = rollout["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert container["resources"]["requests"] == {
+        "cpu": "1",
+        "memory": "2Gi",
+        "nvidia.com/gpu": "1",
+    }
+    assert trainer["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1"}
+    assert rollout["spec"]["terminationGracePeriodSeconds"] == 120
+    shm = next(v for v in rollout["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert gpu in rollout["spec"]["tolerations"]
+    assert "tolerations" not in trainer["spec"]
+
+
+def test_build_pod_operator_nccl_env_passed_through_spec_env_wins() -> None:
+    job = load_example("grpo-colocated", env=[{"name": "NCCL_DEBUG", "value": "WARN"}])
+    env = (("NCCL_DEBUG", "INFO"), ("NCCL_SOCKET_IFNAME", "eth1"))
+    pod = build_pod(
+        job.spec, REF, "actor", 0, topology="colocated", config_digest="a", worker_env=env
+    )
+    values = [(e["name"], e.get("value")) for e in pod["spec"]["containers"][0]["env"]]
+    assert ("NCCL_SOCKET_IFNAME", "eth1") in values
+    assert [v for n, v in values if n == "NCCL_DEBUG"] == ["WARN"]

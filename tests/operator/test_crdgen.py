@@ -647,3 +647,8 @@ def test_every_rule_has_a_counterexample() -> None:
             parse_rljob(_manifest(spec))
         assert info.value.problems == [failures[0][1]]
     assert rejected == set(TWINS)
+
+
+def test_render_has_no_yaml_anchors_or_aliases() -> None:
+    text = crdgen.render_crd()
+    assert not re.search(r"[&*]id\d+", text)

@@ -7,15 +7,24 @@
 - ``renewal_lost``: the leader steps down once it has not renewed for the renew deadline;
 - ``build_lease``/``build_release``: the Lease bodies (MicroTime stamps, transitions counted on a
   takeover only, resourceVersion carried for optimistic concurrency, a release leaves no holder);
-- the elector refuses timings where a leader could still act after a standby took over.
+- the elector refuses timings where a leader could still act after a standby took over;
+- against an API server that accepts connections and never answers, a leader steps down within
+  its renew deadline (each call bounded by the time left), before its Lease expires.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
+from kubernetes import client
 
+from rljob_operator.kube import Kube
 from rljob_operator.leader import (
     Action,
     LeaderElector,
@@ -169,3 +178,53 @@ def test_leader_elector_unsafe_timings_rejected(
             renew_deadline=deadline,
             retry_period=retry,
         )
+
+
+@pytest.fixture
+def frozen_api_server() -> Iterator[str]:
+    """A loopback server that accepts connections and never answers (a SIGSTOPped API server:
+    the kernel still completes the TCP handshake)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_renew_against_frozen_api_server_steps_down_before_lease_expires(
+    frozen_api_server: str,
+) -> None:
+    cfg = client.Configuration()
+    cfg.host = frozen_api_server
+    cfg.retries = False
+    elector = LeaderElector(
+        Kube(client.ApiClient(cfg)),
+        namespace="ns",
+        name="lease",
+        identity="me",
+        lease_duration=4,
+        renew_deadline=2.0,
+        retry_period=0.5,
+    )
+    elector._renewed_at = time.monotonic()  # it has just renewed, then the server froze
+    lost = threading.Event()
+    thread = threading.Thread(target=elector.renew_until_lost, args=(lost.set,), daemon=True)
+    thread.start()
+    assert lost.wait(timeout=elector.lease_duration), "still acting after its lease expired"
+    assert time.monotonic() - elector._renewed_at < elector.lease_duration
+    elector.stop()

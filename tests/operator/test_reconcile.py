@@ -154,7 +154,9 @@ def test_reconcile_failed_rollout_pod_is_replaced_alone() -> None:
         for p in observed.pods
     )
     plan = reconcile(Observed(**{**observed.__dict__, "pods": pods}), now=NOW)
-    assert [(d.name, d.grace_seconds) for d in plan.delete] == [("dapo-disaggregated-rollout-1", 0)]
+    assert [(d.name, d.grace_seconds) for d in plan.delete] == [
+        ("dapo-disaggregated-rollout-1", None)
+    ]
     assert plan.apply == ()
 
 

@@ -93,7 +93,9 @@ def test_pod_on_not_ready_node_is_replaced() -> None:
         **{**observed.__dict__, "pods": pods, "nodes_ready": {"gpu-0": True, "gpu-1": False}}
     )
     plan = reconcile(observed, now=NOW + 1)
-    assert [(d.name, d.grace_seconds) for d in plan.delete] == [("dapo-disaggregated-rollout-0", 0)]
+    assert [(d.name, d.grace_seconds) for d in plan.delete] == [
+        ("dapo-disaggregated-rollout-0", None)
+    ]
     assert "NotReady" in plan.events[-1].message or any(
         "NotReady" in e.message for e in plan.events
     )

@@ -8,17 +8,22 @@ the config for buffer aging and weight-sync compression.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from rljob_workers.config import CONTROL_KEY, Control
 
-__all__ = ["ControlWatcher", "FileWatcher"]
+__all__ = ["ControlWatcher", "FileWatcher", "stop_on_sigterm"]
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -75,3 +80,23 @@ class ControlWatcher(FileWatcher[Control]):
     @property
     def control(self) -> Control:
         return self.value
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(stop: threading.Event, what: str) -> Iterator[None]:
+    """Within the block, SIGTERM sets ``stop`` instead of killing the process (main thread only;
+    ``what`` says in the log what the process does about it). A worker is PID 1 in its pod, so
+    without this handler SIGTERM is ignored and every deletion waits for SIGKILL."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("SIGTERM: %s", what)
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

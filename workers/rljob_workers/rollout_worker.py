@@ -23,23 +23,20 @@ the trainer, and the trainer never waits for it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
-import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rljob_workers.buffer import Trajectory
 from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
-from rljob_workers.control import ControlWatcher
+from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.engine import Completion, RolloutEngine, build_engine
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.staleness import effective_max_versions, must_hold
@@ -350,26 +347,8 @@ class RolloutWorker:
         )
 
 
-@contextlib.contextmanager
-def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
-    """Within the block, SIGTERM sets ``stop`` instead of killing the process (main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        log.info("SIGTERM: finishing the current batch and leaving")
-        stop.set()
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_rollout_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     """The rollout process until SIGTERM (even one that arrives while the engine loads)."""
     stop = threading.Event()
-    with _stop_on_sigterm(stop):
+    with stop_on_sigterm(stop, "finishing the current batch and leaving"):
         return RolloutWorker(config, env, stop=stop).run()

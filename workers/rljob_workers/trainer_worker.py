@@ -34,6 +34,7 @@ import contextlib
 import logging
 import math
 import statistics
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -50,7 +51,7 @@ from rljob_workers.checkpoint import (
     save_checkpoint,
 )
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
-from rljob_workers.control import ControlWatcher, FileWatcher
+from rljob_workers.control import ControlWatcher, FileWatcher, stop_on_sigterm
 from rljob_workers.ddp import init_process_group_from_env
 from rljob_workers.learner import Experience, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
@@ -198,6 +199,7 @@ class TrainerWorker:
         self.policy = self.learner.policy
         self.step = 0
         self.version = 0
+        self.stop = threading.Event()  # set by SIGTERM: checkpoint and leave between steps
         self.last_checkpoint: str | None = None
         self._resume()
         self.accounting = StalenessAccounting(config.staleness.max_versions)
@@ -219,12 +221,30 @@ class TrainerWorker:
     # ----------------------------------------------------------------------------- loop
 
     def run(self) -> list[dict[str, Any]]:
-        """Train until ``total_steps``; return this rank's step records."""
+        """Train until ``total_steps`` (or ``stop``: SIGTERM); return this rank's step records.
+
+        Stopped early, rank 0 saves a checkpoint of the last finished step first, so a
+        restarted trainer group loses no finished step."""
         records = []
-        while self.step < self.config.total_steps:
+        while self.step < self.config.total_steps and not self.stop.is_set():
             records.append(self.train_step())
+        if self.stop.is_set() and self.step < self.config.total_steps:
+            self.checkpoint_now()
+            return records
         self.report_progress(done=True)
         return records
+
+    def checkpoint_now(self) -> str | None:
+        """Rank 0: checkpoint the last finished step now (no barrier: the other ranks may be
+        gone); tell the operator. None when there is nothing new to save."""
+        every = self.config.checkpoint.every_steps
+        already = every > 0 and self.step % every == 0  # _maybe_checkpoint saved this step
+        if not self.leader or self.step == 0 or already:
+            return None
+        path = self._save_checkpoint()
+        self.report_progress(done=False)
+        log.info("stopped at step %d: checkpoint %s", self.step, path)
+        return str(path)
 
     def report_progress(self, *, done: bool) -> None:
         """Rank 0: heartbeat to the operator; the accounting file every few steps and at the end."""
@@ -397,24 +417,26 @@ class TrainerWorker:
         every = self.config.checkpoint.every_steps
         if every <= 0 or (self.step % every and self.step != self.config.total_steps):
             return None
-        path: Path | None = None
-        if self.leader:
-            modules, optimizers = self.learner.checkpoint_parts()
-            path = save_checkpoint(
-                self.config.checkpoint.dir,
-                CheckpointState(
-                    step=self.step,
-                    policy_version=self.version,
-                    extra={"job": self.config.job_name, "role": "trainer"},
-                ),
-                modules=modules,
-                optimizers=optimizers,
-                keep=self.config.checkpoint.keep,
-            )
-            self.last_checkpoint = str(path)
+        path = self._save_checkpoint() if self.leader else None
         if self.distributed:
             dist.barrier()
         return None if path is None else str(path)
+
+    def _save_checkpoint(self) -> Path:
+        modules, optimizers = self.learner.checkpoint_parts()
+        path = save_checkpoint(
+            self.config.checkpoint.dir,
+            CheckpointState(
+                step=self.step,
+                policy_version=self.version,
+                extra={"job": self.config.job_name, "role": "trainer"},
+            ),
+            modules=modules,
+            optimizers=optimizers,
+            keep=self.config.checkpoint.keep,
+        )
+        self.last_checkpoint = str(path)
+        return path
 
     def _resume(self) -> None:
         chosen = self.config.checkpoint.resume_from
@@ -513,6 +535,7 @@ def run_trainer_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str,
     with _trainer_group(config, env):
         worker = TrainerWorker(config, env)
         try:
-            return worker.run()
+            with stop_on_sigterm(worker.stop, "checkpointing after the current step"):
+                return worker.run()
         finally:
             worker.close()

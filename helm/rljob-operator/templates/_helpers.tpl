@@ -58,10 +58,14 @@ apply.py, handlers.py and what kopf itself calls):
   configmaps also watch (workers' progress reports wake the job's reconcile) and get: the workers'
   Role grants configmaps get/patch, which the operator must hold itself (RBAC escalation
   prevention).
-- secrets: get by name (the job's token), create+patch (server-side apply); never list or watch.
+- rljobs/finalizers: update, so children may carry ownerReferences with blockOwnerDeletion
+  (the OwnerReferencesPermissionEnforcement admission plugin checks it).
+- secrets: create only (the job's token, created once; AlreadyExists means it is there); never
+  get, list, watch or patch.
 - podgroups (scheduler-plugins, Volcano): list (observe), create+patch (server-side apply) for
   spec.scheduling.gang.
-- events: create (the operator's and kopf's Events).
+- events: create (the operator's and kopf's Events), patch (an identical Event repeated only
+  bumps the count of the first).
 */}}
 {{- define "rljob-operator.workloadRules" -}}
 - apiGroups: ["rljob.io"]
@@ -70,6 +74,9 @@ apply.py, handlers.py and what kopf itself calls):
 - apiGroups: ["rljob.io"]
   resources: ["rljobs/status", "rljobs/scale"]
   verbs: ["patch"]
+- apiGroups: ["rljob.io"]
+  resources: ["rljobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "create", "patch", "delete"]
@@ -81,7 +88,7 @@ apply.py, handlers.py and what kopf itself calls):
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["list", "create", "patch"]
@@ -90,7 +97,7 @@ apply.py, handlers.py and what kopf itself calls):
   verbs: ["list", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 {{- end -}}
 
 {{/*

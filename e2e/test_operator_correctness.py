@@ -1,0 +1,145 @@
+"""Operator behaviour that needs the API server's own semantics: aspects under test
+
+- status keys the operator drops really go away (merge patch with nulls): after recovery
+  ``lagAboveSince`` / ``degradeAction`` are gone, healthy heartbeats post one ``Recovered`` Event,
+  and the next spike waits the full ``degradeAfterSeconds``;
+- a child the API server refuses (a PriorityClass that does not exist) shows up as a Warning
+  Event and the ``Created`` condition with the server's message, and the log has no traceback;
+- no finalizer: with the operator gone, ``kubectl delete rljob`` completes and garbage collection
+  removes the children (what ``helm uninstall`` with jobs present leaves behind);
+- identical Events are one Event with a count.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.helpers import get_json, wait_for
+from e2e.operator_proc import OperatorProcess
+from e2e.test_failover import pods, report, running, status, submit
+from rljob_workers.config import Progress
+
+pytestmark = pytest.mark.cluster
+
+
+def events(cluster: LocalCluster, ns: str, job: str) -> list[dict[str, Any]]:
+    items = get_json(cluster, "events", "-n", ns, f"--field-selector=involvedObject.name={job}")[
+        "items"
+    ]
+    return items  # type: ignore[no-any-return]
+
+
+def test_status_removals_take_effect_one_recovered_event_full_delay_again(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(
+        cluster,
+        namespace,
+        "lag",
+        example="grpo-colocated",
+        staleness={"maxPolicyLagMs": 50, "degradeAfterSeconds": 6},
+    )
+    wait_for(lambda: running(cluster, namespace, "lag", 2), 90, "job Running")
+
+    def beat(lag: float) -> None:
+        report(
+            cluster,
+            namespace,
+            "lag",
+            Progress(role="actor", time=time.time(), step=3, policy_lag_ms=lag),
+        )
+
+    beat(180.0)
+    wait_for(lambda: status(cluster, namespace, "lag").get("phase") == "Degraded", 60, "Degraded")
+    beat(4.0)
+    wait_for(lambda: status(cluster, namespace, "lag").get("phase") == "Running", 60, "Running")
+    for i in range(8):  # healthy heartbeats, each a wake-up
+        beat(3.0 + i / 10)
+        time.sleep(0.5)
+    st = status(cluster, namespace, "lag")
+    assert "lagAboveSince" not in st and "degradeAction" not in st, st
+    recovered = [e for e in events(cluster, namespace, "lag") if e["reason"] == "Recovered"]
+    assert sum(e.get("count", 1) for e in recovered) == 1
+    beat(180.0)
+    time.sleep(3)
+    assert status(cluster, namespace, "lag")["phase"] == "Running"  # 3 s into 6
+    wait_for(lambda: status(cluster, namespace, "lag").get("phase") == "Degraded", 30, "Degraded")
+
+
+def test_refused_child_reported_in_event_and_condition_without_traceback(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(
+        cluster,
+        namespace,
+        "refused",
+        example="grpo-colocated",
+        scheduling={"priorityClassName": "no-such-class"},
+    )
+
+    def created_false() -> dict[str, Any] | None:
+        conditions = {
+            c["type"]: c for c in status(cluster, namespace, "refused").get("conditions", [])
+        }
+        created = conditions.get("Created")
+        return created if created and created["status"] == "False" else None
+
+    created = wait_for(created_false, 60, "Created=False")
+    assert isinstance(created, dict)
+    assert created["reason"] == "ChildCreateFailed"
+    assert "no-such-class" in created["message"]
+    warned = [
+        e for e in events(cluster, namespace, "refused") if e["reason"] == "ChildCreateFailed"
+    ]
+    assert warned and warned[0]["type"] == "Warning" and "no-such-class" in warned[0]["message"]
+    log = [line for line in live_operator.tail().splitlines() if namespace in line]
+    assert log and not any("Traceback" in line for line in log)
+    assert "Traceback" not in live_operator.tail().split(f"{namespace}/refused", 1)[-1]
+
+
+def test_delete_job_with_operator_gone_completes_and_children_collected(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(cluster, namespace, "gone", example="grpo-colocated")
+    wait_for(lambda: running(cluster, namespace, "gone", 2), 90, "job Running")
+    assert not get_json(cluster, "rljob", "gone", "-n", namespace)["metadata"].get("finalizers")
+    live_operator.kill(signal.SIGKILL)  # as after `helm uninstall`
+    out = cluster.kubectl("delete", "rljob", "gone", "-n", namespace, "--timeout=30s", check=False)
+    assert out.returncode == 0, out.stderr
+
+    def collected() -> bool:
+        left = get_json(
+            cluster, "configmaps,services,pods", "-n", namespace, "-l", "rljob.io/job=gone"
+        )
+        return not left["items"]
+
+    wait_for(collected, 90, "children garbage-collected")
+
+
+def test_repeated_identical_events_become_one_with_count(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(
+        cluster,
+        namespace,
+        "dup",
+        example="grpo-colocated",
+        scheduling={"priorityClassName": "no-such-class"},
+    )
+
+    def counted() -> bool:
+        warned = [
+            e for e in events(cluster, namespace, "dup") if e["reason"] == "ChildCreateFailed"
+        ]
+        return len(warned) == 1 and int(warned[0].get("count", 1)) >= 3
+
+    wait_for(counted, 60, "one ChildCreateFailed Event with count >= 3")
+    assert not pods(cluster, namespace, "dup")
+    job = get_json(cluster, "rljob", "dup", "-n", namespace)
+    assert json.dumps(job["status"]).count("no-such-class") >= 1

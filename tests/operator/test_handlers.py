@@ -1,0 +1,82 @@
+"""The kopf glue without a cluster: aspects under test
+
+- a deleted RLJob is dropped from ``rljob_jobs{phase}`` at once (the chart's alerts stop firing),
+  and its worker task and caches are gone;
+- no handler makes kopf put a finalizer on RLJobs (deletion never waits for the operator);
+- reconcile of a job being deleted does nothing;
+- heartbeats from many workers within the coalescing window cost one wake-up;
+- kopf asks the API server for labelled pods and ConfigMaps only (server-side selector).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+from prometheus_client import REGISTRY
+
+from rljob_operator import handlers, metrics
+from rljob_operator.reconcile import Observed, Plan, reconcile
+from tests.operator.test_reconcile import NOW, job_object, observed_children
+
+
+def failed_gauge() -> float:
+    value = REGISTRY.get_sample_value("rljob_jobs", {"phase": "Failed"})
+    return float(value or 0.0)
+
+
+def test_deleted_job_forgotten_by_phase_gauge() -> None:
+    before = failed_gauge()
+    metrics.observe_reconcile(0.01, Plan(status={"phase": "Failed"}, job_key="ns/gone"))
+    assert failed_gauge() == before + 1
+    asyncio.run(handlers.on_event_rljob(type="DELETED", name="gone", namespace="ns"))
+    assert failed_gauge() == before
+    assert ("ns", "gone") not in handlers._workers
+
+
+def test_no_rljob_handler_requires_a_finalizer() -> None:
+    registry = handlers.kopf.get_default_registry()
+    spawning = [h for h in registry._spawning.get_all_handlers() if h.requires_finalizer]
+    changing = [h for h in registry._changing.get_all_handlers() if h.requires_finalizer]
+    assert spawning == [] and changing == []
+
+
+def test_reconcile_job_being_deleted_does_nothing() -> None:
+    observed = observed_children(job_object("dapo-disaggregated"))
+    job = copy.deepcopy(observed.job)
+    job["metadata"]["deletionTimestamp"] = "2027-01-01T00:00:00Z"
+    plan = reconcile(Observed(**{**observed.__dict__, "job": job}), now=NOW)
+    assert plan.empty and plan.requeue_after is None
+
+
+def test_progress_heartbeats_coalesce_into_one_wake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handlers, "PROGRESS_COALESCE_SECONDS", 0.05)
+    key = ("ns", "busy")
+    labels = {"rljob.io/job": "busy"}
+
+    async def scenario() -> tuple[bool, bool, int]:
+        wake = handlers._wakeups.setdefault(key, asyncio.Event())
+        for _ in range(20):
+            await handlers.on_event_configmap(labels=labels, name="busy-progress", namespace="ns")
+        at_once = wake.is_set()
+        pending = len(handlers._nudges)
+        await asyncio.sleep(0.1)
+        return at_once, wake.is_set(), pending
+
+    try:
+        at_once, later, pending = asyncio.run(scenario())
+    finally:
+        handlers._wakeups.pop(key, None)
+    assert (at_once, later, pending) == (False, True, 1)
+    assert key not in handlers._nudges
+
+
+def test_kopf_watches_only_labelled_pods_and_configmaps_server_side() -> None:
+    settings = handlers.kopf.OperatorSettings()
+    handlers.on_startup_configure(settings)
+    selectors = settings.watching.label_selectors
+    pods = handlers.kopf.Resource("", "v1", "pods")
+    nodes = handlers.kopf.Resource("", "v1", "nodes")
+    assert list(selectors.collect(pods)) == ["rljob.io/job"]
+    assert list(selectors.collect(nodes)) == []
