@@ -12,8 +12,8 @@ runs as one more loopback process of the cluster:
   because those integrations are not enabled;
 - Kueue's internal certificate management stays on (with it off, the manager insists on metrics
   certificates under /etc/kueue), but it finds a pre-seeded Secret whose server certificate is
-  valid both for its Service name and for 127.0.0.1, so it keeps it, writes it to its cert dir and
-  injects the same CA into the registrations;
+  valid both for its Service name and for 127.0.0.1, so it keeps it and injects the same CA into
+  the registrations; the same files sit in its cert dir, where a pod would mount the Secret;
 - the Configuration: leader election off, health and metrics on free loopback ports, the visibility
   API server off (it needs front-proxy auth this apiserver does not configure), ``batch/job`` as the
   only built-in framework and ``RLJob.v1alpha1.rljob.io`` as an external one (the operator creates
@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ def write_certs(pki: Path) -> dict[str, bytes]:
     ca_key, ca_crt = pki / "ca.key", pki / "ca.crt"
     key, csr, crt, ext = pki / "tls.key", pki / "tls.csr", pki / "tls.crt", pki / "tls.ext"
     if not crt.exists():
-        _openssl("genrsa", "-out", str(ca_key), "2048")
+        _openssl("genrsa", "-traditional", "-out", str(ca_key), "2048")  # PKCS#1
         _openssl(
             "req", "-x509", "-new", "-key", str(ca_key), "-days", "3650", "-subj", "/CN=kueue-ca",
             "-addext", "subjectAltName=DNS:kueue-ca",
@@ -60,7 +61,7 @@ def write_certs(pki: Path) -> dict[str, bytes]:
             "-addext", "keyUsage=critical,keyCertSign,digitalSignature,keyEncipherment",
             "-out", str(ca_crt),
         )  # fmt: skip
-        _openssl("genrsa", "-out", str(key), "2048")
+        _openssl("genrsa", "-traditional", "-out", str(key), "2048")
         dns = f"{SERVICE}.{NAMESPACE}.svc"
         _openssl("req", "-new", "-key", str(key), "-subj", f"/CN={dns}", "-out", str(csr))
         ext.write_text(
@@ -153,6 +154,10 @@ def prepare(cluster: LocalCluster, folder: Path, ports: dict[str, int]) -> list[
         "metadata": {"name": SECRET, "namespace": NAMESPACE},
         "data": {k: _b64(v) for k, v in certs.items()},
     }
+    cert_dir = work / "certs"  # where a pod would mount the Secret
+    cert_dir.mkdir(exist_ok=True)
+    for key in ("tls.crt", "tls.key", "ca.crt"):
+        (cert_dir / key).write_bytes(certs[key])
     docs = [secret, *crds(folder, port, certs["ca.crt"])]
     docs += webhook_configurations(folder, port, certs["ca.crt"])
     cluster.kubectl(
@@ -163,9 +168,17 @@ def prepare(cluster: LocalCluster, folder: Path, ports: dict[str, int]) -> list[
         "-",
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
     )
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/workloads.kueue.x-k8s.io", "--timeout=60s"
-    )
+    for _ in range(120):  # right after creation the CRD has no conditions yet (kubectl wait fails)
+        got = cluster.kubectl(
+            "get",
+            "crd/workloads.kueue.x-k8s.io",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+            check=False,
+        )
+        if got.stdout.strip() == "True":
+            break
+        time.sleep(0.5)
     config = work / "config.yaml"
-    config.write_text(yaml.safe_dump(configuration(ports, work / "certs")))
+    config.write_text(yaml.safe_dump(configuration(ports, cert_dir)))
     return [f"--config={config}", f"--kubeconfig={cluster.kubeconfig}", "--zap-log-level=2"]
