@@ -1234,16 +1234,14 @@ class ObjectRule:
     rule: str
     message: str
     holds: Callable[[JsonObject | None, JsonObject], bool]
-    field_path: str
+    field_path: str | None  # None: metadata (the schema has no path into it)
     reason: Literal["FieldValueInvalid", "FieldValueForbidden"] = "FieldValueForbidden"
 
     def to_validation(self) -> dict[str, str]:
-        return {
-            "rule": self.rule,
-            "message": self.message,
-            "reason": self.reason,
-            "fieldPath": self.field_path,
-        }
+        entry = {"rule": self.rule, "message": self.message, "reason": self.reason}
+        if self.field_path:
+            entry["fieldPath"] = self.field_path
+        return entry
 
 
 def _dig(obj: JsonObject | None, path: str) -> Any:
@@ -1310,7 +1308,7 @@ OBJECT_RULES: tuple[ObjectRule, ...] = (
             len(str(_dig(new, "metadata.name") or "")) <= NAME_MAX
             and re.fullmatch(_NAME_RE, str(_dig(new, "metadata.name") or ""))
         ),
-        field_path=".metadata.name",
+        field_path=None,
         reason="FieldValueInvalid",
     ),
     _immutable("spec.topology", "the pods are laid out for it"),
