@@ -47,6 +47,8 @@ KUEUE_GROUP = "kueue.x-k8s.io"
 WORKLOAD_API = f"{KUEUE_GROUP}/v1beta2"
 LABEL_QUEUE = f"{KUEUE_GROUP}/queue-name"
 LABEL_PRIORITY = f"{KUEUE_GROUP}/priority-class"
+LABEL_JOB_UID = f"{KUEUE_GROUP}/job-uid"
+"""On the Workload: Kueue names the job in its preemption messages by it."""
 MANAGED_BY = "rljob.io/rljob-operator"
 """The value of spec.managedBy that means this operator (unset means the same)."""
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
@@ -156,7 +158,7 @@ def build_workload(
         "metadata": {
             "name": workload_name(ref),
             "namespace": ref.namespace,
-            "labels": {**labels(ref), LABEL_QUEUE: queue},
+            "labels": {**labels(ref), LABEL_QUEUE: queue, LABEL_JOB_UID: ref.uid},
             "ownerReferences": [owner_reference(ref)],
         },
         "spec": body,
@@ -478,6 +480,7 @@ def _gate_for(
         text = f"Kueue admitted Workload {name} in ClusterQueue {cq} ({flavors})"
         events.append(("Normal", "Admitted", text))
     message = ""
+    admitted = ("True", "Admitted", f"admitted by ClusterQueue {cq}")
     wanted = spec.rollout.replicas
     allowed = state.counts.get("rollout")
     if allowed is not None and wanted > allowed:
@@ -488,6 +491,7 @@ def _gate_for(
             "queued (set spec.suspend true, then false)"
         )
         events.append(("Warning", "ScaleBeyondAdmission", message))
+        admitted = ("True", "ScaleBeyondAdmission", message)
     return Gate(
         False,
         message=message,
@@ -495,7 +499,7 @@ def _gate_for(
         placement=where,
         status=status,
         events=tuple(events),
-        admitted=("True", "Admitted", f"admitted by ClusterQueue {cq}"),
+        admitted=admitted,
     )
 
 
