@@ -73,7 +73,11 @@ def observe_kueue(kube: Kube, job: dict[str, Any], namespace: str, selector: str
     """The Kueue side of a job with a queue name: its Workloads, the ClusterQueue behind its
     LocalQueue, the admitted ResourceFlavors and its priority class. Nothing for other jobs."""
     queue = queue_name(job["metadata"])
-    if queue is None or job.get("spec", {}).get("managedBy") not in (None, MANAGED_BY):
+    was_queued = bool((job.get("status") or {}).get("kueue"))
+    if (queue is None and not was_queued) or job.get("spec", {}).get("managedBy") not in (
+        None,
+        MANAGED_BY,
+    ):
         return Observation()
     try:
         workloads = kube.list(WORKLOAD_API, "Workload", namespace, selector)
@@ -81,6 +85,8 @@ def observe_kueue(kube: Kube, job: dict[str, Any], namespace: str, selector: str
         if exc.status == 404:  # Kueue is not installed
             return Observation(api=False)
         raise
+    if queue is None:  # the label was removed: its Workload is to go
+        return Observation(workloads=tuple(workloads))
     local_queue = kube.get(WORKLOAD_API, "LocalQueue", namespace, queue) or {}
     flavors = {}
     for name in sorted(flavor_names(workloads)):

@@ -39,11 +39,13 @@ from rljob_operator.builders import (
     FIELD_MANAGER,
     LABEL_INDEX,
     LABEL_ROLE,
+    VOLCANO,
     JobRef,
     Topology,
     build_children,
     configmap_name,
     covers,
+    gang_flavour,
     progress_name,
     role_replicas,
     roles_for,
@@ -74,6 +76,11 @@ CONDITION_TYPES = (
     "Failed",
 )
 FINISHED = ("Succeeded", "Failed")
+QUEUE_IGNORED = (
+    "spec.scheduling.queue is the Volcano queue of the job's PodGroup and takes effect only with "
+    "gang: true and schedulerName: volcano; to queue through Kueue put the label "
+    "kueue.x-k8s.io/queue-name=<LocalQueue> on the RLJob"
+)
 GANG_UNAVAILABLE = (
     "spec.scheduling.gang: no PodGroup API (Volcano or scheduler-plugins coscheduling) is "
     "installed; pods are created without gang scheduling. Install one, or set gang: false"
@@ -391,14 +398,21 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         work.events.append(EventSpec("Normal", "CreatedPods", f"created {', '.join(created)}"))
         if spec.scheduling.gang and not observed.gang_api:
             work.events.append(EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
+        if spec.scheduling.queue and not (spec.scheduling.gang and gang_flavour(spec) == VOLCANO):
+            work.events.append(EventSpec("Warning", "QueueIgnored", QUEUE_IGNORED))
     return _plan(ctx, work, tuple(to_apply))
 
 
 def _kueue_gate(ctx: _Job, work: _Pass, queue: str | None) -> Gate | None:
     """Kueue's verdict for a job with a queue name (None without one): status.kueue, events,
     and the checkpoint an evicted job will resume from."""
-    if queue is None:
+    if queue is None:  # never queued, or the label was removed: no Workload
         work.status.pop("kueue", None)
+        work.delete += [
+            ObjectRef(WORKLOAD_API, "Workload", w["metadata"]["name"])
+            for w in ctx.observed.kueue.workloads
+            if not w["metadata"].get("deletionTimestamp")
+        ]
         return None
     checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
     active = sum(1 for p in ctx.observed.pods if _pod_phase(p) not in ("Succeeded", "Failed"))

@@ -314,3 +314,29 @@ def test_reconcile_without_queue_label_creates_no_workload() -> None:
     plan = reconcile(observed, now=NOW)
     assert not [o for o in plan.apply if o["kind"] == "Workload"]
     assert plan.status is not None and "kueue" not in plan.status
+
+
+def test_reconcile_label_removed_deletes_the_workload() -> None:
+    raw = queued_job()
+    spec = parse_rljob(raw).spec
+    wl = admitted(
+        build_workload(spec, JobRef.from_metadata(raw["metadata"]), "disaggregated", "team")
+    )
+    raw["metadata"]["labels"] = {}
+    raw["status"] = {"kueue": {"workload": wl["metadata"]["name"], "admitted": True}}
+    plan = reconcile(Observed(job=raw, kueue=Observation(workloads=(wl,))), now=NOW)
+    assert [(d.kind, d.name) for d in plan.delete if d.kind == "Workload"] == [
+        ("Workload", wl["metadata"]["name"])
+    ]
+    assert plan.status is not None and "kueue" not in plan.status
+
+
+def test_reconcile_volcano_queue_without_volcano_warns_it_is_ignored() -> None:
+    plan = reconcile(
+        Observed(job=job_object("grpo-colocated", scheduling={"queue": "rl"})), now=NOW
+    )
+    ignored = [e for e in plan.events if e.reason == "QueueIgnored"]
+    assert ignored and "kueue.x-k8s.io/queue-name" in ignored[0].message
+    volcano = {"queue": "rl", "gang": True, "schedulerName": "volcano"}
+    plan = reconcile(Observed(job=job_object("grpo-colocated", scheduling=volcano)), now=NOW)
+    assert not [e for e in plan.events if e.reason == "QueueIgnored"]
