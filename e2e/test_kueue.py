@@ -11,7 +11,8 @@ GPU nodes (4 × 8 nvidia.com/gpu): aspects under test
   Preempted, an Evicted Event), its checkpoint is kept in status; when the quota comes back it
   runs again with the worker config pointing at that checkpoint;
 - the operator SIGKILLed while the job is being admitted converges to one Workload and one set of
-  pods; scaling rollouts beyond the admitted count creates no extra pod and says why.
+  pods; scaling rollouts beyond the admitted count creates no extra pod and says why; suspend
+  deactivates the Workload (quota released) and resume re-queues it at the new size.
 
 Module-scoped cluster with Kueue (other e2e modules keep their own cluster without it).
 """
@@ -331,3 +332,24 @@ def test_operator_killed_during_admission_converges_without_duplicates(
     rollouts = [p for p in pods(kcluster, ns, "crash") if p["metadata"]["name"].count("rollout")]
     assert len(rollouts) == 2
     assert len(workloads(kcluster, ns, "crash")) == 1
+
+    # spec.suspend deactivates the Workload (quota released); resuming re-queues and runs it
+    kcluster.kubectl("patch", "rljob", "crash", "-n", ns, "--type=merge", "-p", SUSPEND % "true")
+    wait_for(
+        lambda: (
+            not pods(kcluster, ns, "crash")
+            and workloads(kcluster, ns, "crash")[0]["spec"].get("active") is False
+            and not workloads(kcluster, ns, "crash")[0].get("status", {}).get("admission")
+        ),
+        60,
+        "pods gone, Workload inactive and its quota released",
+    )
+    kcluster.kubectl("patch", "rljob", "crash", "-n", ns, "--type=merge", "-p", SUSPEND % "false")
+    # re-queued at the new size (3 × 2 + 2 × 4 = 14 GPUs of 16): all 5 pods run
+    wait_for(lambda: running(kcluster, ns, "crash", 5), 90, "re-queued, admitted and Running")
+    (workload,) = workloads(kcluster, ns, "crash")
+    assert {p["name"]: p["count"] for p in workload["spec"]["podSets"]}["rollout"] == 3
+    assert condition(kcluster, ns, "crash", "Admitted")["reason"] == "Admitted"
+
+
+SUSPEND = '{"spec":{"suspend":%s}}'

@@ -486,9 +486,9 @@ def _gate_for(
     if allowed is not None and wanted > allowed:
         message = (
             f"spec.rollout.replicas={wanted} is more than the {allowed} rollout pods Kueue "
-            f"admitted (ClusterQueue {cq}); the other {wanted - allowed} are not created, so the "
-            "job stays inside its quota. Kueue sizes the Workload again when the job is next "
-            "queued (set spec.suspend true, then false)"
+            f"admitted (ClusterQueue {cq}); {wanted - allowed} more would bypass the quota and "
+            "are not created. Kueue sizes the Workload again when the job is next queued (set "
+            "spec.suspend true, then false)"
         )
         events.append(("Warning", "ScaleBeyondAdmission", message))
         admitted = ("True", "ScaleBeyondAdmission", message)
