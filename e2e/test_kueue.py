@@ -14,7 +14,8 @@ GPU nodes (4 × 8 nvidia.com/gpu): aspects under test
   pods; scaling rollouts beyond the admitted count creates no extra pod and says why; suspend
   deactivates the Workload (quota released) and resume re-queues it at the new size.
 
-Module-scoped cluster with Kueue (other e2e modules keep their own cluster without it).
+Module-scoped cluster with Kueue (other e2e modules keep their own cluster without it); the
+operator runs with the Helm chart's ServiceAccount token, and a test fails on any RBAC refusal.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import yaml
 from e2e.cluster import REPO, LocalCluster
 from e2e.helpers import get_json, wait_for
 from e2e.operator_proc import OperatorProcess, install_crd
+from e2e.test_helm import Release, deployment, install, sa_token, write_token_kubeconfig
 from rljob_workers.config import Progress
 
 pytestmark = pytest.mark.cluster
@@ -76,8 +78,22 @@ def kcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]
 def koperator(
     kcluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
+    """The operator as the Helm chart deploys it (its command line), run here with the chart's
+    ServiceAccount token: the Kueue permissions of the chart are what these tests exercise."""
+    release = Release("rlj", "rljob-system")
+    install(kcluster, release)
+    folder = Path(tmp_path_factory.mktemp("kueue-operator"))
+    container = deployment(kcluster, release)["spec"]["template"]["spec"]["containers"][0]
+    kubeconfig = write_token_kubeconfig(kcluster, sa_token(kcluster, release), folder / "sa.kcfg")
     proc = OperatorProcess(
-        kcluster, Path(tmp_path_factory.mktemp("kueue-operator")) / "operator.log"
+        kcluster,
+        folder / "operator.log",
+        args=tuple(container["command"][1:]),
+        env={
+            "KUBECONFIG": str(kubeconfig),
+            "POD_NAMESPACE": release.namespace,
+            "POD_NAME": "rlj-local",
+        },
     )
     proc.start()
     try:
@@ -87,10 +103,18 @@ def koperator(
 
 
 @pytest.fixture
-def op(koperator: OperatorProcess) -> OperatorProcess:
+def op(koperator: OperatorProcess) -> Iterator[OperatorProcess]:
+    """The chart-token operator (restarted if a test killed it); afterwards its log must hold no
+    RBAC refusal."""
     if koperator.proc is None or koperator.proc.poll() is not None:
         koperator.start()
-    return koperator
+    yield koperator
+    refused = [
+        line
+        for line in koperator.tail(200_000).splitlines()
+        if "forbidden" in line.lower() and " cannot " in line
+    ]
+    assert not refused, refused[:3]
 
 
 @pytest.fixture
