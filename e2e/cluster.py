@@ -9,9 +9,11 @@ GPUs) and one untainted CPU node.
 
 Command line::
 
-    python -m e2e.cluster up [--dir DIR] [--gpu-nodes N]   # prints the kubeconfig path
+    python -m e2e.cluster up [--dir DIR] [--gpu-nodes N] [--kueue]   # prints the kubeconfig path
     python -m e2e.cluster status [--dir DIR]
     python -m e2e.cluster down [--dir DIR]
+
+``--kueue`` also starts the Kueue controller manager (built from its Go module; see e2e/kueue.py).
 
 As a library, ``LocalCluster(...).up()`` / ``.down()``; with ``tie_to_parent=True`` every process
 gets PR_SET_PDEATHSIG so it dies with the process that started it, even on SIGKILL.
@@ -36,10 +38,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from e2e import kueue
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = Path(os.environ.get("RLJOB_CLUSTER_DIR", "/tmp/rljob-cluster"))
 ADMIN_TOKEN = "rljob-local-admin-token"
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "kueue",
+)
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
@@ -67,6 +78,7 @@ def binary(name: str) -> Path:
         "etcd": f"etcd-{v['ETCD_VERSION']}",
         "kwok": f"kwok-{v['KWOK_VERSION']}",
         "helm": f"helm-{v['HELM_VERSION']}",
+        "kueue": f"kueue-{v['KUEUE_VERSION']}",
     }.get(name, f"kubernetes-{v['K8S_VERSION']}")
     path = cache_dir() / "bin" / folder / name
     if not path.exists():
@@ -94,6 +106,7 @@ class LocalCluster:
     gpu_nodes: int = 4
     gpus_per_node: int = 8
     tie_to_parent: bool = False
+    kueue: bool = False
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -122,7 +135,10 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)  # a throwaway cluster starts empty
         (self.workdir / "logs").mkdir(exist_ok=True)
-        ports = {k: free_port() for k in ("etcd", "etcd_peer", "apiserver", "kcm", "sched", "kwok")}
+        names = ["etcd", "etcd_peer", "apiserver", "kcm", "sched", "kwok"]
+        if self.kueue:
+            names += ["kueue_webhook", "kueue_health", "kueue_metrics"]
+        ports = {k: free_port() for k in names}
         self.state_file.write_text(json.dumps({"ports": ports, "pids": {}}))
         self._write_credentials()
         self._write_kubeconfig()
@@ -147,6 +163,9 @@ class LocalCluster:
                 timeout,
                 "default ServiceAccount (controller-manager)",
             )
+            if self.kueue:
+                say("starting kueue")
+                self._start_kueue(ports)
         except BaseException:
             self.down()
             raise
@@ -216,6 +235,28 @@ class LocalCluster:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
     # ---------------------------------------------------------------- internals
+
+    def _start_kueue(self, ports: dict[str, int]) -> None:
+        args = kueue.prepare(self, binary("kueue").parent, ports)
+        self._start("kueue", args)
+        health = f"http://127.0.0.1:{ports['kueue_health']}/readyz"
+        self._wait(lambda: self._http_ok(health), 180, "kueue /readyz")
+        # ready once its webhooks answer: a server-side dry-run create goes through them
+        flavor = {
+            "apiVersion": f"kueue.x-k8s.io/{kueue.API_VERSION}",
+            "kind": "ResourceFlavor",
+            "metadata": {"name": "webhook-probe"},
+        }
+        self._wait(
+            lambda: (
+                self.kubectl(
+                    "create", "--dry-run=server", "-f", "-", input=json.dumps(flavor), check=False
+                ).returncode
+                == 0
+            ),
+            120,
+            "kueue webhooks",
+        )
 
     def _start(self, name: str, args: Sequence[str]) -> None:
         log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -492,9 +533,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state directory")
     parser.add_argument("--gpu-nodes", type=int, default=4)
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--kueue", action="store_true", help="also run the Kueue controller")
     args = parser.parse_args(argv)
     cluster = LocalCluster(
-        args.dir.resolve(), gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node
+        args.dir.resolve(),
+        gpu_nodes=args.gpu_nodes,
+        gpus_per_node=args.gpus_per_node,
+        kueue=args.kueue,
     )
     if args.command == "up":
         seconds = cluster.up(

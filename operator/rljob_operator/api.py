@@ -845,8 +845,9 @@ class Scheduling(SpecModel):
         None,
         max_length=63,
         pattern=_DNS_LABEL,
-        description="Kueue LocalQueue name (label kueue.x-k8s.io/queue-name); Kueue admits the "
-        "job by clearing spec.suspend.",
+        description="Volcano queue of the job's PodGroup (with gang: true and schedulerName "
+        "volcano). Kueue is separate: put the label kueue.x-k8s.io/queue-name=<LocalQueue> on "
+        "the RLJob and the operator queues it as a Kueue Workload.",
     )
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict, max_length=32, description="Node labels the pods require."
@@ -913,7 +914,17 @@ class RLJobSpec(SpecModel):
     suspend: bool = Field(
         False,
         description="Delete the job's pods and keep the object (checkpoints stay); set back to "
-        "false to resume. Kueue manages this field for queued jobs.",
+        "false to resume. Under Kueue (label kueue.x-k8s.io/queue-name) it also deactivates the "
+        "job's Workload, which releases its quota; pods otherwise wait for Kueue's admission.",
+    )
+    managed_by: str | None = Field(
+        None,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="The controller that reconciles this job, as <domain>/<name> (JobSet and "
+        "Kubeflow Trainer have the same field). Unset or rljob.io/rljob-operator: this "
+        "operator. Any other value (e.g. kueue.x-k8s.io/multikueue) makes this operator leave "
+        "the job alone: no pods, no Workload, no status writes. Immutable.",
     )
     ttl_seconds_after_finished: int | None = Field(
         None,
@@ -1092,6 +1103,37 @@ class CheckpointStatus(StatusModel):
     time: AwareDatetime | None = Field(None, description="When it was written.")
 
 
+class KueueEviction(StatusModel):
+    """Why Kueue last took the job's quota away."""
+
+    reason: str = Field(max_length=128, description="Kueue's reason, e.g. Preempted.")
+    message: str = Field("", max_length=4096, description="Kueue's message.")
+    time: AwareDatetime | None = Field(None, description="When Kueue evicted the workload.")
+    checkpoint: str | None = Field(
+        None, max_length=_PATH_MAX, description="Checkpoint kept for the resume."
+    )
+
+
+class KueueStatus(StatusModel):
+    """The job's Kueue Workload (only with the label kueue.x-k8s.io/queue-name)."""
+
+    workload: str | None = Field(None, max_length=253, description="The Workload's name.")
+    local_queue: str | None = Field(None, max_length=63, description="LocalQueue it waits in.")
+    cluster_queue: str | None = Field(
+        None, max_length=253, description="ClusterQueue behind the LocalQueue."
+    )
+    admitted: bool = Field(False, description="Kueue admitted it: the pods may run.")
+    admitted_counts: dict[str, int] = Field(
+        default_factory=dict, description="Pods per role Kueue admitted (pod set → count)."
+    )
+    flavors: dict[str, str] = Field(
+        default_factory=dict,
+        description="ResourceFlavor(s) per role, comma-separated, as admitted.",
+    )
+    evictions: int = Field(0, ge=0, description="How often Kueue evicted the job so far.")
+    last_eviction: KueueEviction | None = Field(None, description="The latest eviction.")
+
+
 class RLJobStatus(StatusModel):
     """Observed state, written by the operator."""
 
@@ -1181,6 +1223,9 @@ class RLJobStatus(StatusModel):
         None,
         max_length=_PATH_MAX,
         description="Checkpoint the trainer resumes from after a restart or a resume from suspend.",
+    )
+    kueue: KueueStatus | None = Field(
+        None, description="Kueue admission (jobs with the label kueue.x-k8s.io/queue-name)."
     )
 
 
@@ -1316,6 +1361,16 @@ OBJECT_RULES: tuple[ObjectRule, ...] = (
     _immutable("spec.algorithm.name", "checkpoints and workers are built for it"),
     _immutable("spec.model", "the policy being trained"),
     _immutable("spec.trainer.replicas", "the trainers' data-parallel world size"),
+    ObjectRule(
+        rule="has(self.spec.managedBy) == has(oldSelf.spec.managedBy) && "
+        "(!has(self.spec.managedBy) || self.spec.managedBy == oldSelf.spec.managedBy)",
+        message="spec.managedBy cannot change on an existing job (one controller owns a job for "
+        "its whole life); " + _RECREATE,
+        holds=lambda old, new: (
+            old is None or _dig(old, "spec.managedBy") == _dig(new, "spec.managedBy")
+        ),
+        field_path=".spec.managedBy",
+    ),
     ObjectRule(
         rule="self.spec.rollout.replicas == oldSelf.spec.rollout.replicas || ("
         "has(self.status) && has(self.status.resolvedTopology) ? "

@@ -13,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.api import GROUP, VERSION
 from rljob_operator.kube import Kube
+from rljob_operator.kueue import WORKLOAD_API
 from rljob_operator.reconcile import GANG_UNAVAILABLE, TOKEN_PLACEHOLDER, EventSpec, Plan
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,20 @@ def apply_plan(
             else {"status": plan.status_patch},
             subresource="status",
         )
+    for patch in plan.workload_patches:  # Kueue: spec.active, release of quota, Finished
+        try:
+            kube.merge_patch(
+                WORKLOAD_API,
+                "Workload",
+                meta["namespace"],
+                patch.name,
+                patch.body,
+                subresource=patch.subresource,
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone, or changed since read: the next pass
+                raise
+            log.info("Workload %s: %s; retried next pass", patch.name, exc.reason)
     if plan.scale_to is not None:
         kube.merge_patch(
             f"{GROUP}/{VERSION}",

@@ -84,6 +84,19 @@ class JobRef:
         return cls(metadata["name"], metadata.get("namespace", "default"), metadata.get("uid", ""))
 
 
+def covers(have: Any, want: Any) -> bool:
+    """Whether an object as read still holds every field we set (the server may add more)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(covers(have.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(have) == len(want)
+            and all(covers(h, w) for h, w in zip(have, want, strict=True))
+        )
+    return bool(have == want)
+
+
 def roles_for(topology: Topology) -> tuple[Role, ...]:
     """Which pod roles a topology runs."""
     return ("actor",) if topology == "colocated" else ("rollout", "trainer")
@@ -448,12 +461,7 @@ def build_pod(
         ANNOTATION_CONFIG_HASH: config_digest,
         ANNOTATION_RESTART_EPOCH: str(restart_epoch),
     }
-    meta["labels"].update(_queue_labels(spec, job))
     _gang_metadata(spec, job, meta)
-    if spec.scheduling.queue:
-        meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] = str(
-            sum(role_replicas(spec, r) for r in roles_for(topology))
-        )
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "hostname": pod_name(job, role, index),
@@ -474,15 +482,6 @@ def build_pod(
     }
     _scheduling(pod_spec, spec, role_gpus(spec, role))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
-
-
-def _queue_labels(spec: RLJobSpec, job: JobRef) -> dict[str, str]:
-    if not spec.scheduling.queue:
-        return {}
-    return {
-        "kueue.x-k8s.io/queue-name": spec.scheduling.queue,
-        "kueue.x-k8s.io/pod-group-name": job.name,
-    }
 
 
 def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec, gpus: int) -> None:

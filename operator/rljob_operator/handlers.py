@@ -29,6 +29,7 @@ from rljob_operator.api import GROUP, PLURAL, VERSION
 from rljob_operator.apply import apply_plan, server_message
 from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
+from rljob_operator.kueue import KUEUE_GROUP
 from rljob_operator.observe import observe_job
 from rljob_operator.reconcile import FINISHED, Policy, reconcile
 from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX
@@ -165,7 +166,9 @@ def on_startup_configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _children_of_rljobs(resource: kopf.Resource) -> bool:
-    return resource.group == "" and resource.plural in ("pods", "configmaps")
+    return (resource.group == "" and resource.plural in ("pods", "configmaps")) or (
+        resource.group == KUEUE_GROUP and resource.plural == "workloads"
+    )
 
 
 @kopf.on.cleanup()
@@ -196,6 +199,13 @@ async def on_event_rljob(
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 async def on_event_pod(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
     """Any change to a job's pod wakes its worker."""
+    _wake(namespace or "default", labels[LABEL_JOB])
+
+
+@kopf.on.event(KUEUE_GROUP, "v1beta2", "workloads", labels={LABEL_JOB: kopf.PRESENT})
+async def on_event_workload(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    """Kueue admitted, evicted or re-queued a job's Workload: wake the job's worker. (Without
+    Kueue installed kopf finds no such resource and watches nothing.)"""
     _wake(namespace or "default", labels[LABEL_JOB])
 
 

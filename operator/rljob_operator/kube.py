@@ -30,6 +30,11 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "Lease": ("leases", True),
     "RLJob": ("rljobs", True),
     "PodGroup": ("podgroups", True),
+    "Workload": ("workloads", True),
+    "LocalQueue": ("localqueues", True),
+    "ResourceFlavor": ("resourceflavors", False),
+    "WorkloadPriorityClass": ("workloadpriorityclasses", False),
+    "PriorityClass": ("priorityclasses", False),
 }
 
 

@@ -10,6 +10,15 @@ from kubernetes.client.exceptions import ApiException
 from rljob_operator.api import GROUP, VERSION
 from rljob_operator.builders import LABEL_JOB, PODGROUP_API, VOLCANO
 from rljob_operator.kube import Kube
+from rljob_operator.kueue import (
+    MANAGED_BY,
+    WORKLOAD_API,
+    Observation,
+    PriorityRef,
+    flavor_names,
+    priority_wanted,
+    queue_name,
+)
 from rljob_operator.reconcile import Observed
 
 
@@ -56,6 +65,46 @@ def observe_job(
         gang_api=gang_api,
         nodes_ready={n: ready for n, (ready, _) in nodes.items()},
         nodes_gone=frozenset(n for n, (_, gone) in nodes.items() if gone),
+        kueue=observe_kueue(kube, job, namespace, selector),
+    )
+
+
+def observe_kueue(kube: Kube, job: dict[str, Any], namespace: str, selector: str) -> Observation:
+    """The Kueue side of a job with a queue name: its Workloads, the ClusterQueue behind its
+    LocalQueue, the admitted ResourceFlavors and its priority class. Nothing for other jobs."""
+    queue = queue_name(job["metadata"])
+    was_queued = bool((job.get("status") or {}).get("kueue"))
+    if (queue is None and not was_queued) or job.get("spec", {}).get("managedBy") not in (
+        None,
+        MANAGED_BY,
+    ):
+        return Observation()
+    try:
+        workloads = kube.list(WORKLOAD_API, "Workload", namespace, selector)
+    except ApiException as exc:
+        if exc.status == 404:  # Kueue is not installed
+            return Observation(api=False)
+        raise
+    if queue is None:  # the label was removed: its Workload is to go
+        return Observation(workloads=tuple(workloads))
+    local_queue = kube.get(WORKLOAD_API, "LocalQueue", namespace, queue) or {}
+    flavors = {}
+    for name in sorted(flavor_names(workloads)):
+        flavor = kube.get(WORKLOAD_API, "ResourceFlavor", None, name)
+        if flavor is not None:
+            flavors[name] = flavor
+    priority = None
+    wanted = priority_wanted(job)
+    if wanted is not None:
+        kind, name = wanted
+        api = WORKLOAD_API if kind == "WorkloadPriorityClass" else "scheduling.k8s.io/v1"
+        found = kube.get(api, kind, None, name)
+        priority = PriorityRef(kind, name, None if found is None else int(found.get("value", 0)))
+    return Observation(
+        workloads=tuple(workloads),
+        cluster_queue=local_queue.get("spec", {}).get("clusterQueue"),
+        flavors=flavors,
+        priority=priority,
     )
 
 

@@ -19,6 +19,7 @@ Failover rules:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,6 +28,7 @@ from typing import Any
 from rljob_operator.api import (
     DISRUPTION_REASONS,
     FailureReason,
+    RLJob,
     RLJobSpec,
     SpecError,
     parse_rljob,
@@ -37,13 +39,28 @@ from rljob_operator.builders import (
     FIELD_MANAGER,
     LABEL_INDEX,
     LABEL_ROLE,
+    VOLCANO,
     JobRef,
     Topology,
     build_children,
     configmap_name,
+    covers,
+    gang_flavour,
     progress_name,
     role_replicas,
     roles_for,
+)
+from rljob_operator.kueue import (
+    WORKLOAD_API,
+    Gate,
+    Observation,
+    decide,
+    finished_patch,
+    managed_elsewhere,
+    place_pod,
+    queue_name,
+    read_workload,
+    workload_name,
 )
 from rljob_workers.config import CONTROL_KEY, Control, Progress
 
@@ -59,6 +76,11 @@ CONDITION_TYPES = (
     "Failed",
 )
 FINISHED = ("Succeeded", "Failed")
+QUEUE_IGNORED = (
+    "spec.scheduling.queue is the Volcano queue of the job's PodGroup and takes effect only with "
+    "gang: true and schedulerName: volcano; to queue through Kueue put the label "
+    "kueue.x-k8s.io/queue-name=<LocalQueue> on the RLJob"
+)
 GANG_UNAVAILABLE = (
     "spec.scheduling.gang: no PodGroup API (Volcano or scheduler-plugins coscheduling) is "
     "installed; pods are created without gang scheduling. Install one, or set gang: false"
@@ -92,6 +114,7 @@ class Observed:
     gang_api: bool = True  # False: the PodGroup API (Volcano / scheduler-plugins) is not installed
     apply_errors: tuple[str, ...] = ()  # the API server's refusals of children, last pass
     apply_failures: int = 0  # passes in a row whose children were refused
+    kueue: Observation = field(default_factory=Observation)  # with kueue.x-k8s.io/queue-name
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,15 @@ class EventSpec:
 
 
 @dataclass(frozen=True)
+class WorkloadPatch:
+    """A JSON merge patch of the job's Kueue Workload (``subresource`` "status" or None)."""
+
+    name: str
+    subresource: str | None
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Plan:
     """What apply must do. An empty plan means the job has converged."""
 
@@ -133,11 +165,17 @@ class Plan:
     job_key: str = ""
     restarts: dict[str, int] = field(default_factory=dict)
     degraded_now: bool = False
+    workload_patches: tuple[WorkloadPatch, ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (
-            self.apply or self.delete or self.status is not None or self.events or self.scale_to
+            self.apply
+            or self.delete
+            or self.status is not None
+            or self.events
+            or self.scale_to
+            or self.workload_patches
         )
 
 
@@ -199,19 +237,6 @@ SYNCED_KINDS = ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup")
 never rewritten, ConfigMaps compare their data)."""
 
 
-def _covers(have: Any, want: Any) -> bool:
-    """Whether the object as read still holds every field we set (the server may add more)."""
-    if isinstance(want, dict):
-        return isinstance(have, dict) and all(_covers(have.get(k), v) for k, v in want.items())
-    if isinstance(want, list):
-        return (
-            isinstance(have, list)
-            and len(have) == len(want)
-            and all(_covers(h, w) for h, w in zip(have, want, strict=True))
-        )
-    return bool(have == want)
-
-
 def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
     """The workers' heartbeats from the progress ConfigMap (malformed entries are skipped)."""
     data = observed.configmaps.get(progress_name(ref), {}).get("data") or {}
@@ -270,6 +295,8 @@ class _Pass:
     scale_to: int | None = None
     fail_reason: str = "MaxRestartsExceeded"
     pending_why: str = ""  # the scheduler's message for a pod it cannot place
+    kueue: Gate | None = None  # Kueue's verdict (jobs with kueue.x-k8s.io/queue-name)
+    user_suspended: bool = False
 
 
 @dataclass(frozen=True)
@@ -301,6 +328,8 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         job = parse_rljob(raw)
     except SpecError as err:
         return _invalid_spec_plan(key, old, generation, str(err), now)
+    if managed_elsewhere(job.spec):  # spec.managedBy names another controller: hands off
+        return Plan(job_key=key)
     stored = old
     if _invalid_spec_fixed(old, generation):  # a new generation parses: start afresh
         old = {k: v for k, v in old.items() if k not in ("phase", "message", "completionTime")}
@@ -316,6 +345,12 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         return _finished_plan(ctx)
     if _done(progress, spec, topology):
         return _succeed(ctx, work)
+    work.user_suspended = spec.suspend
+    gate = _kueue_gate(ctx, work, queue_name(meta))
+    if gate is not None:
+        job = _within_admission(job, gate)
+        spec = job.spec
+        ctx = dataclasses.replace(ctx, spec=spec)
 
     _failover(observed, work, spec, topology, now)
     if work.status.get("phase") == "Failed":
@@ -333,6 +368,11 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         resume_from=work.status.get("resumeFrom"),
         worker_env=policy.worker_env,
     )
+    if gate is not None:
+        for obj in desired:
+            where = gate.placement.get(obj["metadata"]["labels"].get(LABEL_ROLE, ""))
+            if obj["kind"] == "Pod" and where:
+                place_pod(obj, where)
     pods_by_name = {p["metadata"]["name"]: p for p in observed.pods}
     deleting = {d.name for d in work.delete}
     to_apply = [
@@ -350,12 +390,69 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         work.events.append(EventSpec("Normal", "ScaledDown", f"deleted {', '.join(scaled)}"))
     if spec.suspend and scaled:
         work.events.append(EventSpec("Normal", "Suspended", f"deleted {len(scaled)} pods"))
+    if gate is not None:
+        to_apply += gate.apply
+        work.delete += [ObjectRef(WORKLOAD_API, "Workload", n) for n in gate.delete]
     created = [o["metadata"]["name"] for o in to_apply if o["kind"] == "Pod"]
     if created:
         work.events.append(EventSpec("Normal", "CreatedPods", f"created {', '.join(created)}"))
         if spec.scheduling.gang and not observed.gang_api:
             work.events.append(EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
+        if spec.scheduling.queue and not (spec.scheduling.gang and gang_flavour(spec) == VOLCANO):
+            work.events.append(EventSpec("Warning", "QueueIgnored", QUEUE_IGNORED))
     return _plan(ctx, work, tuple(to_apply))
+
+
+def _kueue_gate(ctx: _Job, work: _Pass, queue: str | None) -> Gate | None:
+    """Kueue's verdict for a job with a queue name (None without one): status.kueue, events,
+    and the checkpoint an evicted job will resume from."""
+    if queue is None:  # never queued, or the label was removed: no Workload
+        work.status.pop("kueue", None)
+        work.delete += [
+            ObjectRef(WORKLOAD_API, "Workload", w["metadata"]["name"])
+            for w in ctx.observed.kueue.workloads
+            if not w["metadata"].get("deletionTimestamp")
+        ]
+        return None
+    checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
+    active = sum(1 for p in ctx.observed.pods if _pod_phase(p) not in ("Succeeded", "Failed"))
+    gate = decide(
+        spec=ctx.spec,
+        ref=JobRef.from_metadata(ctx.observed.job["metadata"]),
+        topology=ctx.topology,
+        queue=queue,
+        seen=ctx.observed.kueue,
+        old=ctx.old.get("kueue") or {},
+        pods_active=active,
+        checkpoint=checkpoint,
+        now=_iso(ctx.now),
+    )
+    work.kueue = gate
+    work.status["kueue"] = gate.status
+    work.events += [EventSpec(*e) for e in gate.events]
+    if gate.hold and checkpoint and not ctx.spec.suspend:
+        work.status["resumeFrom"] = checkpoint
+    return gate
+
+
+def _within_admission(job: RLJob, gate: Gate) -> RLJob:
+    """The job as Kueue lets it run: suspended while not admitted; never more rollout pods
+    (built-in autoscaler included) than admitted."""
+    spec = job.spec
+    if gate.hold:
+        return job.model_copy(update={"spec": spec.model_copy(update={"suspend": True})})
+    allowed = gate.counts.get("rollout")
+    if allowed is None:
+        return job
+    rollout = spec.rollout.model_copy(
+        update={
+            "replicas": min(spec.rollout.replicas, allowed),
+            "max_replicas": None
+            if spec.rollout.max_replicas is None
+            else min(spec.rollout.max_replicas, allowed),
+        }
+    )
+    return job.model_copy(update={"spec": spec.model_copy(update={"rollout": rollout})})
 
 
 def _missing(
@@ -368,7 +465,7 @@ def _missing(
     name, kind = obj["metadata"]["name"], obj["kind"]
     if kind in SYNCED_KINDS and (kind, name) in observed.children:  # re-apply when it drifted
         fields = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}  # not in lists
-        return not _covers(observed.children[(kind, name)], fields)
+        return not covers(observed.children[(kind, name)], fields)
     if kind == "Pod":
         held = obj["metadata"]["labels"].get(LABEL_ROLE) in hold_roles
         return name not in pods and name not in deleting and not held
@@ -772,6 +869,7 @@ def _finished_plan(ctx: _Job) -> Plan:
     done_at = _seconds(ctx.old.get("completionTime"))
     meta = ctx.observed.job["metadata"]
     key, now = ctx.key, ctx.now
+    patches = _finish_workload(ctx)
     if ttl is not None and done_at is not None:
         left = done_at + ttl - now
         if left <= 0:
@@ -780,8 +878,23 @@ def _finished_plan(ctx: _Job) -> Plan:
                 events=(EventSpec("Normal", "TTLExpired", f"deleted {ttl}s after finishing"),),
                 job_key=key,
             )
-        return Plan(requeue_after=left, job_key=key)
-    return Plan(job_key=key)
+        return Plan(requeue_after=left, job_key=key, workload_patches=patches)
+    return Plan(job_key=key, workload_patches=patches)
+
+
+def _finish_workload(ctx: _Job) -> tuple[WorkloadPatch, ...]:
+    """A finished job's Workload is marked Finished, which gives its quota back to Kueue."""
+    meta = ctx.observed.job["metadata"]
+    if queue_name(meta) is None:
+        return ()
+    name = workload_name(JobRef.from_metadata(meta))
+    mine = [w for w in ctx.observed.kueue.workloads if w["metadata"]["name"] == name]
+    workload = mine[0] if mine else None
+    if workload is None or read_workload(workload).finished:
+        return ()
+    succeeded = ctx.old.get("phase") == "Succeeded"
+    body = finished_patch(workload, succeeded, str(ctx.old.get("message", "")), _iso(ctx.now))
+    return (WorkloadPatch(name, "status", body),)
 
 
 def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
@@ -796,7 +909,16 @@ def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
     if ctx.observed.apply_errors:  # refused children: retry with exponential backoff
         work.requeue.append(min(2.0 * 2 ** max(ctx.observed.apply_failures - 1, 0), 300.0))
     requeue = min(work.requeue) if work.requeue else (None if converged else 2.0)
+    patches: list[WorkloadPatch] = []
+    gate = work.kueue
+    if gate is not None:
+        name = str(gate.status["workload"])
+        if gate.spec_patch:
+            patches.append(WorkloadPatch(name, None, gate.spec_patch))
+        if gate.status_patch:
+            patches.append(WorkloadPatch(name, "status", gate.status_patch))
     return Plan(
+        workload_patches=tuple(patches),
         apply=to_apply,
         delete=tuple(work.delete),
         status=work.status if changed else None,
@@ -846,6 +968,8 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         if waiting:
             status["message"] = waiting
             work.pending_why = waiting
+        if work.kueue is not None and work.kueue.message and not work.user_suspended:
+            status["message"] = work.kueue.message
     lead = "actor" if topology == "colocated" else "rollout"
     empty = {"ready": 0, "desired": 0}
     status.update(
@@ -875,7 +999,35 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         work.fail_reason,
         refused,
         work.pending_why,
+        None if work.kueue is None or work.user_suspended or not work.kueue.hold else work.kueue,
     )
+    if work.kueue is not None:
+        value, reason, text = work.kueue.admitted
+        status["conditions"].append(
+            _condition(old.get("conditions", []), "Admitted", value, reason, text, generation, now)
+        )
+
+
+def _condition(
+    old: list[dict[str, Any]],
+    ctype: str,
+    value: str,
+    reason: str,
+    text: str,
+    generation: int,
+    now: float,
+) -> dict[str, Any]:
+    """One condition; lastTransitionTime moves only when its status does."""
+    prev = next((c for c in old if c.get("type") == ctype), None)
+    moved = prev is None or prev.get("status") != value
+    return {
+        "type": ctype,
+        "status": value,
+        "reason": reason,
+        "message": text,
+        "observedGeneration": generation,
+        "lastTransitionTime": _iso(now) if moved or prev is None else prev["lastTransitionTime"],
+    }
 
 
 def _conditions(
@@ -887,6 +1039,7 @@ def _conditions(
     fail_reason: str = "MaxRestartsExceeded",
     refused: tuple[str, ...] = (),
     pending_why: str = "",
+    held: Gate | None = None,
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -921,32 +1074,14 @@ def _conditions(
         ),
         "Suspended": flag(
             phase == "Suspended",
-            "Suspended",
-            "spec.suspend is true: pods deleted, checkpoint kept",
+            held.reason if held else "Suspended",
+            held.message if held else "spec.suspend is true: pods deleted, checkpoint kept",
             "NotSuspended",
         ),
         "Succeeded": flag(phase == "Succeeded", "TotalStepsReached", message, "NotFinished"),
         "Failed": flag(phase == "Failed", fail_reason, message, "NotFailed"),
     }
-    by_type = {c["type"]: c for c in old}
-    out = []
-    for ctype in CONDITION_TYPES:
-        value, reason, text = wanted[ctype]
-        prev = by_type.get(ctype)
-        moved = prev is None or prev.get("status") != value
-        out.append(
-            {
-                "type": ctype,
-                "status": value,
-                "reason": reason,
-                "message": text,
-                "observedGeneration": generation,
-                "lastTransitionTime": _iso(now)
-                if moved or prev is None
-                else prev["lastTransitionTime"],
-            }
-        )
-    return out
+    return [_condition(old, t, *wanted[t], generation, now) for t in CONDITION_TYPES]
 
 
 def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:

@@ -52,6 +52,7 @@ def _job(**spec: Any) -> dict[str, Any]:
         ({"algorithm": {"name": "dapo"}}, "spec.algorithm.name cannot change"),
         ({"model": {"path": "/models/other"}}, "spec.model cannot change"),
         ({"trainer": {"replicas": 4}}, "spec.trainer.replicas cannot change"),
+        ({"managedBy": "kueue.x-k8s.io/multikueue"}, "spec.managedBy cannot change"),
         ({"rollout": {"replicas": 3}}, "kubectl scale and spec.rollout.replicas do not apply"),
     ],
 )
@@ -94,11 +95,12 @@ def test_crd_root_carries_every_object_rule_with_field_path() -> None:
         ".spec.algorithm.name",
         ".spec.model",
         ".spec.trainer.replicas",
+        ".spec.managedBy",
         ".spec.rollout.replicas",
         ".spec.rollout.resources",
         ".spec.trainer.resources",
     ]
-    assert sum("oldSelf" in r["rule"] for r in rules) == 5
+    assert sum("oldSelf" in r["rule"] for r in rules) == 6
 
 
 @pytest.mark.parametrize("key", ["gpu", "cpus", "Memory", "nvidia.com/"])

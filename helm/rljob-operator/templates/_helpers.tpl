@@ -98,6 +98,15 @@ apply.py, handlers.py and what kopf itself calls):
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues"]
+  verbs: ["get"]
 {{- end -}}
 
 {{/*
@@ -105,7 +114,9 @@ Cluster-scoped reads, needed in both scopes:
 - nodes get: the pods of a NotReady node are replaced;
 - customresourcedefinitions list/watch: kopf follows CRDs so that an RLJob CRD installed or
   changed after the operator started is noticed (without it kopf retries and logs 403 errors
-  for a minute at start, then never sees a CRD that appears later).
+  for a minute at start, then never sees a CRD that appears later);
+- Kueue ResourceFlavors / WorkloadPriorityClasses and PriorityClasses get: a queued job's pods
+  get the admitted flavor's node labels and tolerations, its Workload the priority value.
 */}}
 {{- define "rljob-operator.clusterReadRules" -}}
 - apiGroups: [""]
@@ -114,4 +125,10 @@ Cluster-scoped reads, needed in both scopes:
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors", "workloadpriorityclasses"]
+  verbs: ["get"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get"]
 {{- end -}}
