@@ -34,9 +34,18 @@ class OperatorProcess:
     proc: subprocess.Popen[bytes] | None = None
     liveness_port: int = 0
     metrics_port: int = 0
+    webhook_port: int = 0
+    python_path: str = ""
+    """Non-empty: run the operator code found there (an older release) instead of this tree's."""
+    cwd: Path = REPO
 
     def start(self, timeout: float = 60) -> None:
         self.liveness_port, self.metrics_port = free_port(), free_port()
+        self.webhook_port = free_port()
+        extra = () if self.python_path else (f"--webhook-port={self.webhook_port}",)
+        env = {**self.cluster.env(), **self.env}
+        if self.python_path:
+            env["PYTHONPATH"] = self.python_path
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
             [
@@ -46,9 +55,10 @@ class OperatorProcess:
                 *self.args,
                 f"--liveness-port={self.liveness_port}",
                 f"--metrics-port={self.metrics_port}",
+                *extra,
             ],
-            cwd=REPO,
-            env={**self.cluster.env(), **self.env},
+            cwd=self.cwd,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,

@@ -1273,12 +1273,10 @@ class ObjectRule:
     reason: Literal["FieldValueInvalid", "FieldValueForbidden"] = "FieldValueForbidden"
 
     def to_validation(self) -> dict[str, str]:
-        return {
-            "rule": self.rule,
-            "message": self.message,
-            "reason": self.reason,
-            "fieldPath": self.field_path,
-        }
+        entry = {"rule": self.rule, "message": self.message, "reason": self.reason}
+        if not self.field_path.startswith(".metadata."):  # the API server accepts schema paths
+            entry["fieldPath"] = self.field_path  # only, and metadata has no schema in a CRD
+        return entry
 
 
 def _dig(obj: JsonObject | None, path: str) -> Any:

@@ -30,6 +30,7 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "Lease": ("leases", True),
     "RLJob": ("rljobs", True),
     "PodGroup": ("podgroups", True),
+    "CustomResourceDefinition": ("customresourcedefinitions", False),
 }
 
 
