@@ -20,7 +20,20 @@ CRD = REPO / "crds" / "rljob.yaml"
 def install_crd(cluster: LocalCluster) -> None:
     """Apply the generated CRD and wait until the API server serves it."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+    wait_established(cluster)
+
+
+def wait_established(cluster: LocalCluster, timeout: float = 60) -> None:
+    """Poll until the CRD is Established (``kubectl wait`` 1.34 errors out while the new CRD has
+    no conditions yet)."""
+    path = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cluster.kubectl("get", "crd", "rljobs.rljob.io", "-o", path, check=False)
+        if got.stdout.strip() == "True":
+            return
+        time.sleep(0.2)
+    raise TimeoutError("CRD rljobs.rljob.io not Established")
 
 
 @dataclass

@@ -4,7 +4,7 @@
   v1alpha1 exactly as applied, through the operator's conversion webhook; stored as v1beta1;
 - a conversion the webhook refuses (a corrupt conversion-data annotation) fails with the
   webhook's message and changes nothing: no object created, an existing one keeps its
-  resourceVersion;
+  generation and spec;
 - the webhook certificate rotated while a job runs: the CRD's caBundle and the served certificate
   change, every v1alpha1 read in between succeeds, and no pod of the job restarts.
 """
@@ -94,8 +94,9 @@ def test_refused_conversion_clear_error_changes_nothing(
     updated = apply(cluster, namespace, good, check=False)
     assert updated.returncode != 0 and "must be a JSON object" in updated.stderr
     after = get_json(cluster, "rljob", "good", "-n", namespace)
-    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
-    assert after["spec"]["totalSteps"] == before["spec"]["totalSteps"]
+    # the operator may write status meanwhile; the spec stays as it was
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert after["spec"] == before["spec"]
 
 
 def served_certificate(port: int) -> bytes:

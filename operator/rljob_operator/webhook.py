@@ -101,10 +101,13 @@ class Certificates:
             str(ip) for ip in san.get_values_for_type(x509.IPAddress)
         }
 
-    def due(self, now: datetime.datetime, hosts: list[str]) -> bool:
-        """Whether a new certificate is needed: little lifetime left, or a host not covered."""
+    def due(self, now: datetime.datetime, hosts: list[str], validity: datetime.timedelta) -> bool:
+        """Whether a new certificate is needed: little lifetime left, longer left than
+        ``validity`` now allows, or a host not covered."""
         left = self.not_after() - now
-        return left < self.lifetime() * ROTATE_AT_FRACTION or not set(hosts) <= self.names()
+        too_long = left > validity + datetime.timedelta(minutes=2)
+        short = left < self.lifetime() * ROTATE_AT_FRACTION
+        return short or too_long or not set(hosts) <= self.names()
 
 
 _SECRET_KEYS = ("ca.crt", "ca.key", "tls.crt", "tls.key", "bundle.crt")
@@ -197,7 +200,7 @@ def ensure_certificate(
     for _ in range(5):
         secret = kube.get("v1", "Secret", namespace, name)
         current = Certificates.from_secret(secret) if secret else None
-        if current is not None and not current.due(now, hosts):
+        if current is not None and not current.due(now, hosts, validity):
             return current
         fresh = issue_certificates(hosts, validity, now, current.ca if current else "")
         body: dict[str, Any] = {
