@@ -102,7 +102,9 @@ def test_convert_moved_fields_land_where_the_table_says() -> None:
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
+    lambda inner: (
+        st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner, max_size=2)
+    ),
     max_leaves=4,
 )
 
@@ -111,7 +113,11 @@ def objects(api_version: str) -> st.SearchStrategy[dict[str, Any]]:
     paths = leaf_paths(field_tree(api_version.split("/")[1]))
 
     def build(chosen: dict[str, Any]) -> dict[str, Any]:
-        obj: dict[str, Any] = {"apiVersion": api_version, "kind": "RLJob", "metadata": {"name": "j"}}
+        obj: dict[str, Any] = {
+            "apiVersion": api_version,
+            "kind": "RLJob",
+            "metadata": {"name": "j"},
+        }
         for path, value in chosen.items():
             node = obj
             *parents, last = path.split(".")
@@ -139,7 +145,7 @@ def test_convert_field_only_in_v1beta1_kept_in_annotation_and_restored(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class WorkerWithLabels(api.WorkerPods):
-        labels: dict[str, str] = {}
+        labels: dict[str, str] = {}  # noqa: RUF012 - a pydantic field
 
     class SpecWithMore(api.RLJobSpec):
         managed_by: str | None = None
@@ -212,7 +218,11 @@ def test_review_response_converts_every_object_and_echoes_the_uid() -> None:
             [
                 {
                     **with_value(ALPHA, "spec.image", "x"),
-                    "metadata": {"name": "j", "namespace": "ns", "annotations": {STASH_ANNOTATION: "{"}},
+                    "metadata": {
+                        "name": "j",
+                        "namespace": "ns",
+                        "annotations": {STASH_ANNOTATION: "{"},
+                    },
                 }
             ],
             BETA,
