@@ -123,7 +123,7 @@ def bench_many_jobs(
     def all_running() -> bool:
         if count_running(kube, ns, "rljob.io/job") < jobs * 10:
             return False
-        items = kube.list("rljob.io/v1alpha1", "RLJob", ns)
+        items = kube.list("rljob.io/v1beta1", "RLJob", ns)
         return sum(1 for j in items if j.get("status", {}).get("phase") == "Running") == jobs
 
     wait_until(all_running, 1800, "all jobs Running")

@@ -89,7 +89,7 @@ def job_docs(count: int) -> list[dict[str, Any]]:
 
 
 def running_jobs(kube: Kube, ns: str) -> int:
-    items = kube.list("rljob.io/v1alpha1", "RLJob", ns)
+    items = kube.list("rljob.io/v1beta1", "RLJob", ns)
     return sum(1 for j in items if (j.get("status") or {}).get("phase") == "Running")
 
 

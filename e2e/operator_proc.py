@@ -20,7 +20,20 @@ CRD = REPO / "crds" / "rljob.yaml"
 def install_crd(cluster: LocalCluster) -> None:
     """Apply the generated CRD and wait until the API server serves it."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+    wait_established(cluster)
+
+
+def wait_established(cluster: LocalCluster, timeout: float = 60) -> None:
+    """Poll until the CRD is Established (``kubectl wait`` 1.34 errors out while the new CRD has
+    no conditions yet)."""
+    path = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cluster.kubectl("get", "crd", "rljobs.rljob.io", "-o", path, check=False)
+        if got.stdout.strip() == "True":
+            return
+        time.sleep(0.2)
+    raise TimeoutError("CRD rljobs.rljob.io not Established")
 
 
 @dataclass
@@ -34,9 +47,18 @@ class OperatorProcess:
     proc: subprocess.Popen[bytes] | None = None
     liveness_port: int = 0
     metrics_port: int = 0
+    webhook_port: int = 0
+    python_path: str = ""
+    """Non-empty: run the operator code found there (an older release) instead of this tree's."""
+    cwd: Path = REPO
 
     def start(self, timeout: float = 60) -> None:
         self.liveness_port, self.metrics_port = free_port(), free_port()
+        self.webhook_port = free_port()
+        extra = () if self.python_path else (f"--webhook-port={self.webhook_port}",)
+        env = {**self.cluster.env(), **self.env}
+        if self.python_path:
+            env["PYTHONPATH"] = self.python_path
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
             [
@@ -46,9 +68,10 @@ class OperatorProcess:
                 *self.args,
                 f"--liveness-port={self.liveness_port}",
                 f"--metrics-port={self.metrics_port}",
+                *extra,
             ],
-            cwd=REPO,
-            env={**self.cluster.env(), **self.env},
+            cwd=self.cwd,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,

@@ -98,4 +98,4 @@ def test_examples_are_accepted_and_defaulted(cluster: LocalCluster, crd: None) -
         )
         applied = yaml.safe_load(out.stdout)
         assert applied["spec"]["buffer"]["maxAgeSeconds"] == 7200, name
-        assert applied["spec"]["staleness"]["maxPolicyLagMs"] > 0, name
+        assert applied["spec"]["degrade"]["maxPolicyLagMs"] > 0, name

@@ -261,11 +261,7 @@ def test_policy_lag_degrades_and_recovers(
         namespace,
         "lag",
         example="grpo-colocated",
-        staleness={
-            "maxPolicyLagMs": 50,
-            "degradeAfterSeconds": 2,
-            "degradeAction": "throttleRollouts",
-        },
+        degrade={"maxPolicyLagMs": 50, "afterSeconds": 2, "action": "throttleRollouts"},
     )
     wait_for(lambda: running(cluster, namespace, "lag", 2), 90, "job Running")
     report(

@@ -155,7 +155,7 @@ def test_leader_killed_standby_takes_over_new_job(
         now = time.monotonic()
         if lease_at is None and holder(cluster, namespace) == identity(standby):
             lease_at = now
-        job = kube.get("rljob.io/v1alpha1", "RLJob", namespace, "after-kill") or {}
+        job = kube.get("rljob.io/v1beta1", "RLJob", namespace, "after-kill") or {}
         if job.get("status", {}).get("phase"):
             reconciled_at = now
         time.sleep(0.1)

@@ -43,7 +43,7 @@ def test_status_removals_take_effect_one_recovered_event_full_delay_again(
         namespace,
         "lag",
         example="grpo-colocated",
-        staleness={"maxPolicyLagMs": 50, "degradeAfterSeconds": 6},
+        degrade={"maxPolicyLagMs": 50, "afterSeconds": 6},
     )
     wait_for(lambda: running(cluster, namespace, "lag", 2), 90, "job Running")
 

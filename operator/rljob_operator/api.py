@@ -1,4 +1,5 @@
-"""The RLJob API: pydantic models of the ``rljob.io/v1alpha1`` ``RLJob`` custom resource.
+"""The RLJob API: pydantic models of the ``RLJob`` custom resource, ``rljob.io/v1beta1`` (the hub
+and storage version) and ``rljob.io/v1alpha1`` (still served).
 
 These models are the one source of truth for the resource: ``rljob_operator.crdgen`` generates the
 CRD (structural schema, defaults, CEL rules, printer columns) from them, and the operator parses
@@ -38,8 +39,13 @@ from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 GROUP: Final = "rljob.io"
-VERSION: Final = "v1alpha1"
-API_VERSION: Final = "rljob.io/v1alpha1"
+VERSION: Final = "v1beta1"
+"""The hub: the version the operator reads and writes, and the storage version."""
+API_VERSION: Final = "rljob.io/v1beta1"
+V1ALPHA1: Final = "v1alpha1"
+"""The older version, still served; converted losslessly to and from the hub
+(``rljob_operator.conversion``)."""
+VERSIONS: Final = (V1ALPHA1, VERSION)
 KIND: Final = "RLJob"
 LIST_KIND: Final = "RLJobList"
 PLURAL: Final = "rljobs"
@@ -59,6 +65,8 @@ Phase = Literal["Pending", "Running", "Degraded", "Restarting", "Suspended", "Su
 ON_POLICY_ALGORITHMS: tuple[AlgorithmName, ...] = ("ppo", "grpo")
 RULE_ERROR = "rljob_rule"
 """pydantic error type of a failed cross-field rule; its message already names the path."""
+DUPLICATE_ERROR = "rljob_duplicate"
+"""pydantic error type of a repeated list-map key (ctx: name, index)."""
 
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -644,7 +652,7 @@ class Trainer(SpecModel):
 
 
 class Staleness(SpecModel):
-    """How stale the data a trainer consumes may be, and what happens when policy lag grows."""
+    """How stale the data a trainer consumes may be."""
 
     max_versions: int | None = Field(
         None,
@@ -666,23 +674,50 @@ class Staleness(SpecModel):
         "against a proximal policy, weight by behaviour ratio) or tis (truncated importance "
         "sampling).",
     )
+
+
+DegradeAction = Literal["throttleRollouts", "tightenStaleness", "pauseRollouts"]
+_LAG_THRESHOLD_TEXT = (
+    "50 ms suits colocated jobs; disaggregated jobs lag by seconds and need a larger value, "
+    "e.g. 10000."
+)
+_DEGRADE_ACTION_TEXT = (
+    "throttleRollouts (fewer rollout replicas, down to minReplicas), tightenStaleness (halve "
+    "maxVersions/maxAgeSeconds) or pauseRollouts (until the trainer catches up)."
+)
+
+
+class Degrade(SpecModel):
+    """The policy-lag degrade rule (v1beta1; v1alpha1 kept these fields in spec.staleness)."""
+
     max_policy_lag_ms: float = Field(
         50.0,
         ge=0,
         le=86_400_000,
         description="Policy-lag alert threshold (ms). When status.policyLagMs stays above it for "
-        "degradeAfterSeconds the job turns Degraded and degradeAction applies. 50 ms suits "
-        "colocated jobs; disaggregated jobs lag by seconds and need a larger value, e.g. 10000.",
+        "afterSeconds the job turns Degraded and action applies. " + _LAG_THRESHOLD_TEXT,
+    )
+    after_seconds: float = Field(
+        30.0, ge=0, le=86_400, description="How long the lag must stay above the threshold."
+    )
+    action: DegradeAction = Field("throttleRollouts", description=_DEGRADE_ACTION_TEXT)
+
+
+class StalenessV1Alpha1(Staleness):
+    """How stale the data a trainer consumes may be, and what happens when policy lag grows."""
+
+    max_policy_lag_ms: float = Field(
+        50.0,
+        ge=0,
+        le=86_400_000,
+        description="Policy-lag alert threshold (ms). When status.policyLagMs stays above it for "
+        "degradeAfterSeconds the job turns Degraded and degradeAction applies. "
+        + _LAG_THRESHOLD_TEXT,
     )
     degrade_after_seconds: float = Field(
         30.0, ge=0, le=86_400, description="How long the lag must stay above the threshold."
     )
-    degrade_action: Literal["throttleRollouts", "tightenStaleness", "pauseRollouts"] = Field(
-        "throttleRollouts",
-        description="throttleRollouts (fewer rollout replicas, down to minReplicas), "
-        "tightenStaleness (halve maxVersions/maxAgeSeconds) or pauseRollouts (until the "
-        "trainer catches up).",
-    )
+    degrade_action: DegradeAction = Field("throttleRollouts", description=_DEGRADE_ACTION_TEXT)
 
 
 class Buffer(SpecModel):
@@ -886,54 +921,9 @@ _ON_POLICY_FIX = (
 )
 
 
-class RLJobSpec(SpecModel):
-    """Desired state of an RL post-training job."""
+class WorkerPods(SpecModel):
+    """Settings every worker pod shares: image, environment, account, shutdown, /dev/shm."""
 
-    algorithm: Algorithm = Field(description="RL algorithm and hyper-parameters.")
-    topology: Topology = Field(
-        "auto",
-        description="colocated: N actor pods, each alternating generate → train → reload in one "
-        "process (policy lag ~0). disaggregated: rollout pods and trainer pods run concurrently "
-        "(lag of seconds, elastic rollouts). auto: chosen from the algorithm, staleness, "
-        "objective and task; the result is in status.resolvedTopology.",
-    )
-    objective: Objective = Field(
-        "latency",
-        description="What topology auto optimises: latency (policy freshness: colocated) or "
-        "utilization (GPU busy time: disaggregated when the algorithm tolerates stale data).",
-    )
-    model: Model = Field(description="The policy model.")
-    task: Task = Field(description="Prompts and reward.")
-    rollout: Rollout = _nested(Rollout, "Rollout engines.")
-    trainer: Trainer = _nested(Trainer, "Trainers.")
-    staleness: Staleness = _nested(Staleness, "Staleness bounds and policy-lag degrade rule.")
-    buffer: Buffer = _nested(Buffer, "Experience buffer.")
-    weight_sync: WeightSync = _nested(WeightSync, "Weight synchronisation trainer → rollouts.")
-    checkpoint: Checkpoint = _nested(Checkpoint, "Checkpointing.")
-    failure_policy: FailurePolicy = _nested(FailurePolicy, "Restart policy.")
-    suspend: bool = Field(
-        False,
-        description="Delete the job's pods and keep the object (checkpoints stay); set back to "
-        "false to resume. Under Kueue (label kueue.x-k8s.io/queue-name) it also deactivates the "
-        "job's Workload, which releases its quota; pods otherwise wait for Kueue's admission.",
-    )
-    managed_by: str | None = Field(
-        None,
-        max_length=63,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-        description="The controller that reconciles this job, as <domain>/<name> (JobSet and "
-        "Kubeflow Trainer have the same field). Unset or rljob.io/rljob-operator: this "
-        "operator. Any other value (e.g. kueue.x-k8s.io/multikueue) makes this operator leave "
-        "the job alone: no pods, no Workload, no status writes. Immutable.",
-    )
-    ttl_seconds_after_finished: int | None = Field(
-        None,
-        ge=0,
-        le=31_536_000,
-        description="Delete the RLJob this many seconds after it Succeeded or Failed. Unset: "
-        "keep it.",
-    )
-    scheduling: Scheduling = _nested(Scheduling, "Scheduling and queueing.")
     image: str | None = Field(
         None,
         max_length=512,
@@ -968,6 +958,70 @@ class RLJobSpec(SpecModel):
         "operator creates. Either way the operator binds it to a Role that lets the workers "
         "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
     )
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env_names(cls, env: list[EnvVar]) -> list[EnvVar]:
+        seen: set[str] = set()
+        for i, var in enumerate(env):
+            if var.name in seen:
+                raise PydanticCustomError(
+                    DUPLICATE_ERROR,
+                    "{name} is set twice; keep one entry",
+                    {"name": var.name, "index": i},
+                )
+            seen.add(var.name)
+        return env
+
+
+class _SpecCommon(SpecModel):
+    """The spec fields both API versions share (same names, same places)."""
+
+    algorithm: Algorithm = Field(description="RL algorithm and hyper-parameters.")
+    topology: Topology = Field(
+        "auto",
+        description="colocated: N actor pods, each alternating generate → train → reload in one "
+        "process (policy lag ~0). disaggregated: rollout pods and trainer pods run concurrently "
+        "(lag of seconds, elastic rollouts). auto: chosen from the algorithm, staleness, "
+        "objective and task; the result is in status.resolvedTopology.",
+    )
+    objective: Objective = Field(
+        "latency",
+        description="What topology auto optimises: latency (policy freshness: colocated) or "
+        "utilization (GPU busy time: disaggregated when the algorithm tolerates stale data).",
+    )
+    model: Model = Field(description="The policy model.")
+    task: Task = Field(description="Prompts and reward.")
+    rollout: Rollout = _nested(Rollout, "Rollout engines.")
+    trainer: Trainer = _nested(Trainer, "Trainers.")
+    staleness: Staleness = _nested(Staleness, "Staleness bounds.")
+    buffer: Buffer = _nested(Buffer, "Experience buffer.")
+    weight_sync: WeightSync = _nested(WeightSync, "Weight synchronisation trainer → rollouts.")
+    checkpoint: Checkpoint = _nested(Checkpoint, "Checkpointing.")
+    failure_policy: FailurePolicy = _nested(FailurePolicy, "Restart policy.")
+    suspend: bool = Field(
+        False,
+        description="Delete the job's pods and keep the object (checkpoints stay); set back to "
+        "false to resume. Under Kueue (label kueue.x-k8s.io/queue-name) it also deactivates the "
+        "job's Workload, which releases its quota; pods otherwise wait for Kueue's admission.",
+    )
+    managed_by: str | None = Field(
+        None,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="The controller that reconciles this job, as <domain>/<name> (JobSet and "
+        "Kubeflow Trainer have the same field). Unset or rljob.io/rljob-operator: this "
+        "operator. Any other value (e.g. kueue.x-k8s.io/multikueue) makes this operator leave "
+        "the job alone: no pods, no Workload, no status writes. Immutable.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None,
+        ge=0,
+        le=31_536_000,
+        description="Delete the RLJob this many seconds after it Succeeded or Failed. Unset: "
+        "keep it.",
+    )
+    scheduling: Scheduling = _nested(Scheduling, "Scheduling and queueing.")
     total_steps: int = Field(100, ge=1, le=10_000_000, description="Training steps to run.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Random seed for sampling and training.")
 
@@ -1045,19 +1099,26 @@ class RLJobSpec(SpecModel):
         ),
     )
 
-    @field_validator("env")
-    @classmethod
-    def _unique_env_names(cls, env: list[EnvVar]) -> list[EnvVar]:
-        seen: set[str] = set()
-        for i, var in enumerate(env):
-            if var.name in seen:
-                raise PydanticCustomError(
-                    RULE_ERROR,
-                    "{message}",
-                    {"message": f"spec.env[{i}].name: {var.name} is set twice; keep one entry"},
-                )
-            seen.add(var.name)
-        return env
+
+class RLJobSpecV1Alpha1(_SpecCommon, WorkerPods):
+    """Desired state of an RL post-training job (rljob.io/v1alpha1: the worker pod settings sit
+    at the top of the spec and the degrade rule in spec.staleness)."""
+
+    staleness: StalenessV1Alpha1 = _nested(
+        StalenessV1Alpha1, "Staleness bounds and policy-lag degrade rule."
+    )
+
+
+class RLJobSpec(_SpecCommon):
+    """Desired state of an RL post-training job."""
+
+    worker: WorkerPods = _nested(
+        WorkerPods,
+        "Settings of every worker pod (image, env, ServiceAccount, grace period, /dev/shm).",
+    )
+    degrade: Degrade = _nested(
+        Degrade, "Policy-lag degrade rule: threshold, how long, and what to do."
+    )
 
 
 # ---------------------------------------------------------------------------------- status
@@ -1200,7 +1261,7 @@ class RLJobStatus(StatusModel):
     degrade_action: str | None = Field(
         None,
         max_length=64,
-        description="The degrade action in effect (spec.staleness.degradeAction) while Degraded.",
+        description="The degrade action in effect (spec.degrade.action) while Degraded.",
     )
     lag_above_since: AwareDatetime | None = Field(
         None,
@@ -1251,11 +1312,30 @@ class RLJob(BaseModel):
         extra="ignore", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
     )
 
-    api_version: Literal["rljob.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    api_version: Literal["rljob.io/v1beta1"] = Field(API_VERSION, alias="apiVersion")
     kind: Literal["RLJob"] = KIND
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: RLJobSpec
     status: RLJobStatus | None = None
+
+
+class RLJobV1Alpha1(BaseModel):
+    """RLJob runs one LLM reinforcement-learning post-training job (PPO, GRPO or DAPO) on a
+    colocated or disaggregated topology: the operator creates and supervises its rollout and
+    trainer pods."""
+
+    model_config = RLJob.model_config
+
+    api_version: Literal["rljob.io/v1alpha1"] = Field("rljob.io/v1alpha1", alias="apiVersion")
+    kind: Literal["RLJob"] = KIND
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: RLJobSpecV1Alpha1
+    status: RLJobStatus | None = None
+
+
+ROOT_MODELS: Final[dict[str, type[BaseModel]]] = {VERSION: RLJob, V1ALPHA1: RLJobV1Alpha1}
+"""Version name → the pydantic model of the whole object in that version."""
+SPEC_MODELS: Final[dict[str, type[SpecModel]]] = {VERSION: RLJobSpec, V1ALPHA1: RLJobSpecV1Alpha1}
 
 
 # ------------------------------------------------------------------- whole-object rules
@@ -1404,19 +1484,34 @@ class SpecError(ValueError):
 
 
 def parse_rljob(obj: Mapping[str, Any]) -> RLJob:
-    """Validate an RLJob object (as read from the API server or a manifest).
+    """Validate an RLJob object of the hub version (as read from the API server or a manifest;
+    ``rljob_operator.conversion.parse_any_version`` takes v1alpha1 too).
 
     Raises ``SpecError`` listing every problem as ``<field path>: <what is wrong and the fix>``.
     """
+    job, problems = _validate(obj, RLJob)
+    if problems or not isinstance(job, RLJob):
+        raise SpecError(problems)
+    return job
+
+
+def version_problems(obj: Mapping[str, Any]) -> list[str]:
+    """What is wrong with ``obj`` in its own API version (v1alpha1 or v1beta1), field paths as the
+    user wrote them; empty when it is valid."""
+    version = str(obj.get("apiVersion", "")).removeprefix(f"{GROUP}/")
+    return _validate(obj, ROOT_MODELS.get(version, RLJob))[1]
+
+
+def _validate(obj: Mapping[str, Any], root: type[BaseModel]) -> tuple[BaseModel | None, list[str]]:
     named = bool(_dig(obj, "metadata.name"))
     problems = object_rule_problems(None, obj) if named else []
     try:
-        job = RLJob.model_validate(obj)
+        job = root.model_validate(obj)
     except ValidationError as exc:
-        problems += [p for e in exc.errors(include_url=False) for p in _describe(e)]
-    if problems:
-        raise SpecError(problems)
-    return job
+        return None, problems + [
+            p for e in exc.errors(include_url=False) for p in _describe(e, root)
+        ]
+    return job, problems
 
 
 def is_on_policy(algorithm: AlgorithmName) -> bool:
@@ -1539,16 +1634,18 @@ def _models_in(annotation: Any) -> list[type[SpecModel]]:
 # ------------------------------------------------------------------------- error messages
 
 
-def _describe(error: Mapping[str, Any]) -> list[str]:
+def _describe(error: Mapping[str, Any], root: type[BaseModel] = RLJob) -> list[str]:
     loc: tuple[str | int, ...] = tuple(error["loc"])
     path = _format_path(loc)
     kind = error["type"]
     if kind == RULE_ERROR:
         return [str(m) for m in error.get("ctx", {}).get("messages", [error["msg"]])]
+    if kind == DUPLICATE_ERROR:
+        return [f"{path}[{error['ctx']['index']}].name: {error['msg']}"]
     if kind == "missing":
         return [f"{path}: required field is missing; add it"]
     if kind == "extra_forbidden":
-        return [f"{path}: unknown field; {_spelling_hint(loc)}"]
+        return [f"{path}: unknown field; {_spelling_hint(loc, root)}"]
     got = repr(error.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
     return [f"{path}: {error['msg']} (got {got}); set a value that fits"]
@@ -1561,8 +1658,8 @@ def _format_path(loc: tuple[str | int, ...]) -> str:
     return text
 
 
-def _spelling_hint(loc: tuple[str | int, ...]) -> str:
-    parent = _model_at(loc[:-1])
+def _spelling_hint(loc: tuple[str | int, ...], root: type[BaseModel]) -> str:
+    parent = _model_at(loc[:-1], root)
     if parent is None:
         return "remove it"
     known = [f.alias or name for name, f in parent.model_fields.items()]
@@ -1572,8 +1669,8 @@ def _spelling_hint(loc: tuple[str | int, ...]) -> str:
     return f"remove it (known fields: {', '.join(sorted(known))})"
 
 
-def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
-    current: Any = RLJob
+def _model_at(loc: tuple[str | int, ...], root: type[BaseModel]) -> type[BaseModel] | None:
+    current: Any = root
     for part in loc:
         current = _unwrap(current)
         if isinstance(part, int):

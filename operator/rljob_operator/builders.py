@@ -267,9 +267,9 @@ def build_worker_config(
             max_versions=spec.staleness.max_versions,
             max_age_seconds=spec.staleness.max_age_seconds,
             correction=spec.staleness.correction,
-            max_policy_lag_ms=spec.staleness.max_policy_lag_ms,
-            degrade_after_seconds=spec.staleness.degrade_after_seconds,
-            degrade_action=spec.staleness.degrade_action,
+            max_policy_lag_ms=spec.degrade.max_policy_lag_ms,
+            degrade_after_seconds=spec.degrade.after_seconds,
+            degrade_action=spec.degrade.action,
         ),
         buffer=BufferConfig(
             capacity=spec.buffer.capacity, max_age_seconds=spec.buffer.max_age_seconds
@@ -453,7 +453,7 @@ def build_pod(
     """One worker pod with a stable name, GPU requests, rendezvous env and a locked-down context.
 
     ``worker_env``: operator-wide variables (NCCL_* from the operator's environment) given to
-    every worker before spec.env, which wins on a clash."""
+    every worker before spec.worker.env, which wins on a clash."""
     world = role_replicas(spec, role)
     meta = _metadata(job, pod_name(job, role, index), role)
     meta["labels"][LABEL_INDEX] = str(index)
@@ -467,7 +467,7 @@ def build_pod(
         "hostname": pod_name(job, role, index),
         "subdomain": service_name(job, role),
         "enableServiceLinks": False,
-        "serviceAccountName": spec.service_account_name or worker_account_name(job),
+        "serviceAccountName": spec.worker.service_account_name or worker_account_name(job),
         "automountServiceAccountToken": True,
         "securityContext": {
             "runAsNonRoot": True,
@@ -478,7 +478,7 @@ def build_pod(
         },
         "containers": [_container(spec, job, role, index, world, topology, worker_env)],
         "volumes": _volumes(spec, job),
-        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "terminationGracePeriodSeconds": spec.worker.termination_grace_period_seconds,
     }
     _scheduling(pod_spec, spec, role_gpus(spec, role))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -531,9 +531,9 @@ def _container(
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
-    own = {e.name for e in spec.env}
+    own = {e.name for e in spec.worker.env}
     env += [{"name": k, "value": v} for k, v in worker_env if k not in own]
-    env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env]
+    env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.worker.env]
     mounts = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
@@ -544,8 +544,8 @@ def _container(
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     container: dict[str, Any] = {
         "name": role,
-        "image": spec.image or DEFAULT_IMAGE,
-        "imagePullPolicy": spec.image_pull_policy,
+        "image": spec.worker.image or DEFAULT_IMAGE,
+        "imagePullPolicy": spec.worker.image_pull_policy,
         "command": ["python", "-m", "rljob_workers.main"],
         "env": env,
         "ports": [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in PORTS.items()],
@@ -572,7 +572,7 @@ def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": configmap_name(job)}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.worker.shm_size)}},
     ]
     if spec.checkpoint.claim_name:
         volumes.append(
@@ -616,7 +616,10 @@ def build_children(
         )
     digest = restart_hash(config)
     objects = [build_configmap(ref, config, control), build_progress_configmap(ref)]
-    objects += [build_token_secret(ref, token), *build_worker_rbac(ref, spec.service_account_name)]
+    objects += [
+        build_token_secret(ref, token),
+        *build_worker_rbac(ref, spec.worker.service_account_name),
+    ]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
     if spec.scheduling.gang:

@@ -57,6 +57,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         help="minimum time between two changes by the built-in elastic rollout policy",
     )
     _add_leader_election_flags(parser)
+    _add_webhook_flags(parser)
     parser.add_argument("--verbose", "-v", action="store_true")
     parser.add_argument("--version", action="version", version=f"rljob-operator {__version__}")
     args = parser.parse_args(argv)
@@ -79,6 +80,8 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    if args.webhook_port:  # every replica serves conversions, leader or not
+        _start_webhook(args)
 
     def run_controller() -> None:
         kopf.run(
@@ -128,6 +131,82 @@ def _add_leader_election_flags(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="time between two attempts to acquire or renew",
     )
+
+
+def _add_webhook_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("conversion webhook (v1alpha1 <-> v1beta1), CRD, storage")
+    group.add_argument(
+        "--webhook-port",
+        type=int,
+        default=9443,
+        help="serve the CRD conversion webhook (HTTPS) on this port; 0 disables it, and with it "
+        "the CRD upgrade and the storage migration",
+    )
+    group.add_argument(
+        "--webhook-service",
+        default="",
+        help="NAMESPACE/NAME of the Service in front of the webhook (in a cluster); empty: the "
+        "API server calls https://<--webhook-host>:<port>/convert",
+    )
+    group.add_argument(
+        "--webhook-host",
+        default="127.0.0.1",
+        help="host the API server reaches this process at when no --webhook-service",
+    )
+    group.add_argument(
+        "--webhook-cert-secret",
+        default="",
+        help="NAMESPACE/NAME of the Secret holding the webhook CA and certificate (created and "
+        "rotated by the operator); default $POD_NAMESPACE (else default)/rljob-operator-webhook",
+    )
+    group.add_argument(
+        "--webhook-cert-validity-hours",
+        type=float,
+        default=24 * 365,
+        help="lifetime of each issued certificate; re-issued when a third of it is left",
+    )
+    group.add_argument(
+        "--webhook-check-seconds",
+        type=float,
+        default=60.0,
+        help="how often the certificate and the CRD's caBundle are checked",
+    )
+    group.add_argument(
+        "--no-manage-crd",
+        dest="manage_crd",
+        action="store_false",
+        help="only point the CRD's conversion at this webhook; do not apply this build's schema",
+    )
+    group.add_argument(
+        "--no-migrate-storage",
+        dest="migrate_storage",
+        action="store_false",
+        help="do not rewrite RLJobs in the storage version and trim status.storedVersions",
+    )
+
+
+def _start_webhook(args: argparse.Namespace) -> None:
+    import datetime
+
+    from rljob_operator.kube import Kube
+    from rljob_operator.webhook import WebhookSettings, start_webhook
+
+    secret = args.webhook_cert_secret or (
+        f"{os.environ.get('POD_NAMESPACE') or 'default'}/rljob-operator-webhook"
+    )
+    namespace, _, name = secret.partition("/")
+    settings = WebhookSettings(
+        port=args.webhook_port,
+        service=args.webhook_service,
+        url_host=args.webhook_host,
+        secret_namespace=namespace,
+        secret_name=name,
+        validity=datetime.timedelta(hours=args.webhook_cert_validity_hours),
+        check_seconds=args.webhook_check_seconds,
+        manage_crd=args.manage_crd,
+        migrate=args.migrate_storage,
+    )
+    start_webhook(Kube.connect(), settings)
 
 
 def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -> None:

@@ -94,34 +94,65 @@ def build_crd() -> dict[str, Any]:
                 "categories": list(api.CATEGORIES),
             },
             "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": api.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": build_openapi_schema()},
-                    "subresources": {"status": {}, "scale": dict(SCALE)},
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
-                    "selectableFields": SELECTABLE_FIELDS,
-                }
-            ],
+            "versions": [_version(v) for v in api.VERSIONS],
+            "conversion": conversion_stanza(DEFAULT_WEBHOOK_SERVICE),
         },
     }
 
 
-def build_openapi_schema() -> dict[str, Any]:
-    """The structural ``openAPIV3Schema`` of an RLJob (raises if it is not structural)."""
+DEFAULT_WEBHOOK_SERVICE = {
+    "namespace": "rljob-system",
+    "name": "rljob-operator-webhook",
+    "path": "/convert",
+    "port": 443,
+}
+"""Where the CRD file points the conversion webhook until the operator, at start, writes the real
+address (its Service, or a URL) and its CA bundle into the CRD (``rljob_operator.webhook``)."""
+
+
+def conversion_stanza(
+    service: dict[str, Any] | None = None, url: str | None = None, ca_bundle: str | None = None
+) -> dict[str, Any]:
+    """``spec.conversion`` of the CRD: the operator's webhook at a Service or a URL."""
+    client: dict[str, Any] = {"url": url} if url else {"service": dict(service or {})}
+    if ca_bundle:
+        client["caBundle"] = ca_bundle
+    return {
+        "strategy": "Webhook",
+        "webhook": {"conversionReviewVersions": ["v1"], "clientConfig": client},
+    }
+
+
+def _version(version: str) -> dict[str, Any]:
+    return {
+        "name": version,
+        "served": True,
+        "storage": version == api.VERSION,
+        "schema": {"openAPIV3Schema": build_openapi_schema(version)},
+        "subresources": {"status": {}, "scale": dict(SCALE)},
+        "additionalPrinterColumns": PRINTER_COLUMNS,
+        # The API server hoists per-version lists that are equal in every version to the top of
+        # the CRD, then refuses top-level selectableFields beside per-version schemas (1.34):
+        # the hub lists them in the other order, which selects the same.
+        "selectableFields": SELECTABLE_FIELDS[:: 1 if version == api.VERSION else -1],
+    }
+
+
+def build_openapi_schema(version: str = api.VERSION) -> dict[str, Any]:
+    """The structural ``openAPIV3Schema`` of an RLJob in ``version`` (raises if it is not
+    structural)."""
+    root = api.ROOT_MODELS[version]
     schema = {
         "type": "object",
-        "description": _text(api.RLJob.__doc__ or ""),
+        "description": _text(root.__doc__ or ""),
         "properties": {
             "apiVersion": {
                 "type": "string",
-                "description": "APIVersion of this object: rljob.io/v1alpha1.",
+                "description": f"APIVersion of this object: {api.GROUP}/{version}.",
             },
             "kind": {"type": "string", "description": "Kind of this object: RLJob."},
             "metadata": {"type": "object"},
-            "spec": model_schema(api.RLJobSpec, keep_defaults=True),
+            "spec": model_schema(api.SPEC_MODELS[version], keep_defaults=True),
             "status": model_schema(api.RLJobStatus, keep_defaults=False),
         },
         "required": ["spec"],

@@ -35,6 +35,7 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "ResourceFlavor": ("resourceflavors", False),
     "WorkloadPriorityClass": ("workloadpriorityclasses", False),
     "PriorityClass": ("priorityclasses", False),
+    "CustomResourceDefinition": ("customresourcedefinitions", False),
 }
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from rljob_operator.api import SpecError, parse_rljob, resolve_topology
+from rljob_operator.api import SpecError, resolve_topology
 from rljob_operator.builders import JobRef, build_worker_config, role_replicas, roles_for
+from rljob_operator.conversion import parse_any_version
 from rljob_workers.config import Endpoints
 
 
@@ -43,7 +44,7 @@ def run_manifest_locally(
     except (OSError, yaml.YAMLError) as exc:
         return _fail(f"cannot read {manifest}: {exc}")
     try:
-        job = parse_rljob(raw)
+        job = parse_any_version(raw)
     except SpecError as err:
         return _fail(str(err))
     spec = job.spec

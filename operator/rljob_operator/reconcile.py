@@ -742,10 +742,10 @@ def _fail(
 def _degrade(
     work: _Pass, spec: RLJobSpec, progress: list[Progress], old: dict[str, Any], now: float
 ) -> Control:
-    """Policy lag above maxPolicyLagMs for degradeAfterSeconds → Degraded + the action."""
-    staleness = spec.staleness
+    """Policy lag above degrade.maxPolicyLagMs for degrade.afterSeconds → Degraded + the action."""
+    rule = spec.degrade
     lag = work.status.get("policyLagMs")
-    above = lag is not None and lag > staleness.max_policy_lag_ms
+    above = lag is not None and lag > rule.max_policy_lag_ms
     was_degraded = bool(old.get("degradeAction"))
     if not above:
         work.status.pop("lagAboveSince", None)
@@ -756,16 +756,16 @@ def _degrade(
                     "Normal",
                     "Recovered",
                     f"policy lag {lag} ms is back under "
-                    f"{staleness.max_policy_lag_ms} ms; {old['degradeAction']} reverted",
+                    f"{rule.max_policy_lag_ms} ms; {old['degradeAction']} reverted",
                 )
             )
         return Control()
     since = _seconds(old.get("lagAboveSince")) or now
     work.status["lagAboveSince"] = _iso(since)
-    if now - since < staleness.degrade_after_seconds:
-        work.requeue.append(staleness.degrade_after_seconds - (now - since))
+    if now - since < rule.after_seconds:
+        work.requeue.append(rule.after_seconds - (now - since))
         return Control()
-    action = staleness.degrade_action
+    action = rule.action
     work.status["degradeAction"] = action
     if not was_degraded:
         work.degraded_now = True
@@ -773,8 +773,8 @@ def _degrade(
             EventSpec(
                 "Warning",
                 "Degraded",
-                f"policy lag {lag} ms above spec.staleness."
-                f"maxPolicyLagMs={staleness.max_policy_lag_ms} for "
+                f"policy lag {lag} ms above spec.degrade."
+                f"maxPolicyLagMs={rule.max_policy_lag_ms} for "
                 f"{now - since:.0f}s; action {action}",
             )
         )
@@ -782,7 +782,7 @@ def _degrade(
         return Control(rollout_throttle=0.5)
     if action == "pauseRollouts":
         return Control(paused=True)
-    tightened = max(1, (staleness.max_versions or 2) // 2)
+    tightened = max(1, (spec.staleness.max_versions or 2) // 2)
     return Control(max_versions=tightened)
 
 

@@ -36,7 +36,7 @@ def rljob(
     phase: str | None = None, generation: float = 2, observed: float | None = 2, **status: Any
 ) -> dict[str, Any]:
     obj: dict[str, Any] = {
-        "apiVersion": "rljob.io/v1alpha1",
+        "apiVersion": "rljob.io/v1beta1",
         "kind": "RLJob",
         "metadata": {"name": "grpo", "namespace": "team-a", "generation": generation},
         "spec": {"algorithm": {"name": "grpo"}},

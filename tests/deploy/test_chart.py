@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rljob-operator"
 WORKLOAD_RULES = [
     {"apiGroups": ["rljob.io"], "resources": ["rljobs"],
-     "verbs": ["get", "list", "watch", "patch", "delete"]},
+     "verbs": ["get", "list", "watch", "patch", "update", "delete"]},
     {"apiGroups": ["rljob.io"], "resources": ["rljobs/status", "rljobs/scale"], "verbs": ["patch"]},
     {"apiGroups": ["rljob.io"], "resources": ["rljobs/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"],
@@ -55,6 +55,9 @@ CLUSTER_READS = [
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors", "workloadpriorityclasses"],
      "verbs": ["get"]},
     {"apiGroups": ["scheduling.k8s.io"], "resources": ["priorityclasses"], "verbs": ["get"]},
+    {"apiGroups": ["apiextensions.k8s.io"],
+     "resources": ["customresourcedefinitions", "customresourcedefinitions/status"],
+     "resourceNames": ["rljobs.rljob.io"], "verbs": ["get", "patch"]},
 ]  # fmt: skip
 NAMESPACES_READ = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
 
@@ -147,6 +150,7 @@ def test_chart_deployment_hardened_and_elected() -> None:
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "liveness": 8080,
         "metrics": 9090,
+        "webhook": 9443,
     }
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"]
@@ -183,7 +187,9 @@ def test_chart_unsafe_values_refused(values: list[str], error: str) -> None:
 def test_chart_single_replica_without_election_allowed() -> None:
     objs = objects("--set", "leaderElection.enabled=false", "--set", "replicaCount=1")
     assert "--leader-elect" not in container(objs)["command"]
-    assert not [k for k in objs if k[0] in ("Role", "PodDisruptionBudget")]
+    assert not [k for k in objs if k[0] == "PodDisruptionBudget"]
+    roles = [k for k in objs if k[0] == "Role"]
+    assert roles == [("Role", "ops", "rel-rljob-operator-webhook-cert")]  # no Lease Role
 
 
 def test_chart_monitoring_objects_off_by_default() -> None:

@@ -46,7 +46,7 @@ def _manifest(spec: dict[str, Any] | None = None) -> dict[str, Any]:
         "task": {"builtin": {"name": "copy"}},
     }
     return {
-        "apiVersion": "rljob.io/v1alpha1",
+        "apiVersion": "rljob.io/v1beta1",
         "kind": "RLJob",
         "metadata": {"name": "job", "namespace": "default"},
         "spec": _merge(base, spec or {}),
@@ -87,7 +87,7 @@ def test_parse_minimal_job_gets_documented_defaults() -> None:
     assert spec.algorithm.group_size == 8
     assert spec.algorithm.kl_coef == 0.0
     assert (spec.algorithm.gamma, spec.algorithm.lam) == (1.0, 0.95)
-    assert spec.staleness.max_policy_lag_ms == 50
+    assert spec.degrade.max_policy_lag_ms == 50
     assert spec.staleness.correction == "none"
     assert spec.staleness.max_versions is None
     assert spec.buffer.max_age_seconds == 7200
@@ -110,13 +110,13 @@ def test_parse_camel_case_fields_map_to_snake_case_attributes() -> None:
     spec = _spec(
         {
             "algorithm": {"clipRatioHigh": 0.28, "overlongBuffer": {"cacheLength": 8}},
-            "staleness": {"maxPolicyLagMs": 20},
+            "degrade": {"maxPolicyLagMs": 20},
             "ttlSecondsAfterFinished": 60,
         }
     )
     assert spec.algorithm.clip_ratio_high == 0.28
     assert spec.algorithm.overlong_buffer.cache_length == 8
-    assert spec.staleness.max_policy_lag_ms == 20
+    assert spec.degrade.max_policy_lag_ms == 20
     assert spec.ttl_seconds_after_finished == 60
 
 
@@ -129,7 +129,7 @@ def test_parse_snake_case_field_names_are_accepted() -> None:
 def test_dump_uses_camel_case_and_round_trips() -> None:
     job = parse_rljob(_manifest({"rollout": {"minReplicas": 1}}))
     dumped = job.model_dump(mode="json", exclude_none=True)
-    assert dumped["apiVersion"] == "rljob.io/v1alpha1"
+    assert dumped["apiVersion"] == "rljob.io/v1beta1"
     assert dumped["spec"]["rollout"]["minReplicas"] == 1
     assert "gpusPerReplica" in dumped["spec"]["trainer"]
     assert parse_rljob(dumped) == job
@@ -161,7 +161,7 @@ INVALID = [
     ("bad-toleration-op", {"scheduling": {"tolerations": [{"operator": "In"}]}}, "[0].operator:"),
     ("bad-queue-name", {"scheduling": {"queue": "Team A"}}, "spec.scheduling.queue:"),
     ("bad-weight-compression", {"weightSync": {"compression": "int4"}}, "weightSync.compression:"),
-    ("bad-degrade-action", {"staleness": {"degradeAction": "panic"}}, "degradeAction:"),
+    ("bad-degrade-action", {"degrade": {"action": "panic"}}, "degrade.action:"),
     ("zero-buffer-age", {"buffer": {"maxAgeSeconds": 0}}, "spec.buffer.maxAgeSeconds:"),
     ("negative-ttl", {"ttlSecondsAfterFinished": -1}, "spec.ttlSecondsAfterFinished:"),
     # cross-field rules
@@ -276,8 +276,8 @@ INVALID = [
     ),
     (
         "duplicate-env",
-        {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
-        "spec.env[1].name: A is set twice",
+        {"worker": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+        "spec.worker.env[1].name: A is set twice",
     ),
 ]
 
@@ -328,7 +328,7 @@ def test_parse_several_problems_are_all_reported() -> None:
 def test_parse_wrong_api_version_names_the_field() -> None:
     manifest = _manifest()
     manifest["apiVersion"] = "rljob.io/v1"
-    with pytest.raises(SpecError, match=r"apiVersion: Input should be 'rljob.io/v1alpha1'"):
+    with pytest.raises(SpecError, match=r"apiVersion: Input should be 'rljob.io/v1beta1'"):
         parse_rljob(manifest)
 
 

@@ -226,8 +226,7 @@ def test_build_children_gang_adds_pod_group_and_pod_labels() -> None:
 def test_build_pod_hygiene_probe_requests_shm_grace_gpu_toleration() -> None:
     job = load_example(
         "dapo-disaggregated",
-        terminationGracePeriodSeconds=120,
-        shmSize="8Gi",
+        worker={"terminationGracePeriodSeconds": 120, "shmSize": "8Gi"},
         trainer={"gpusPerReplica": 0, "resources": {"limits": {"memory": "4Gi"}}},
     )
     rollout = build_pod(job.spec, REF, "rollout", 0, topology="disaggregated", config_digest="a")
@@ -249,7 +248,7 @@ def test_build_pod_hygiene_probe_requests_shm_grace_gpu_toleration() -> None:
 
 
 def test_build_pod_operator_nccl_env_passed_through_spec_env_wins() -> None:
-    job = load_example("grpo-colocated", env=[{"name": "NCCL_DEBUG", "value": "WARN"}])
+    job = load_example("grpo-colocated", worker={"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]})
     env = (("NCCL_DEBUG", "INFO"), ("NCCL_SOCKET_IFNAME", "eth1"))
     pod = build_pod(
         job.spec, REF, "actor", 0, topology="colocated", config_digest="a", worker_env=env

@@ -31,7 +31,7 @@ from rljob_operator.api import SpecError, all_cel_rules, parse_rljob
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = crdgen.build_crd()
-VERSION = CRD["spec"]["versions"][0]
+VERSION = next(v for v in CRD["spec"]["versions"] if v["storage"])
 ROOT = VERSION["schema"]["openAPIV3Schema"]
 SPEC = ROOT["properties"]["spec"]
 TWINS = {(r.rule, r.message): r for rules in all_cel_rules().values() for r in rules}
@@ -220,7 +220,9 @@ def test_names_short_name_categories_and_scope() -> None:
     assert (names["kind"], names["plural"], names["shortNames"]) == ("RLJob", "rljobs", ["rlj"])
     assert names["categories"] == ["all", "rl"]
     assert CRD["spec"]["scope"] == "Namespaced"
-    assert VERSION["name"] == "v1alpha1" and VERSION["served"] and VERSION["storage"]
+    assert VERSION["name"] == "v1beta1" and VERSION["served"] and VERSION["storage"]
+    served = {v["name"]: (v["served"], v["storage"]) for v in CRD["spec"]["versions"]}
+    assert served == {"v1alpha1": (True, False), "v1beta1": (True, True)}
 
 
 def test_scale_subresource_paths_exist_with_right_types() -> None:
@@ -486,7 +488,7 @@ def _defaulted_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _manifest(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "metadata": {}, "spec": spec}
+    return {"apiVersion": "rljob.io/v1beta1", "kind": "RLJob", "metadata": {}, "spec": spec}
 
 
 def _drop_empty(value: Any) -> Any:

@@ -86,7 +86,7 @@ def test_parse_rljob_long_name_refused_naming_metadata_name() -> None:
     parse_rljob(raw)
 
 
-def test_crd_root_carries_every_object_rule_with_field_path() -> None:
+def test_crd_root_carries_every_object_rule_with_field_path_outside_metadata() -> None:
     root = crdgen.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = root["x-kubernetes-validations"]
     assert [r.get("fieldPath") for r in rules] == [

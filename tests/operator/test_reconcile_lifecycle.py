@@ -135,11 +135,7 @@ def test_max_restarts_exceeded_fails_the_job_with_reason() -> None:
 def test_lag_above_threshold_degrades_after_delay_and_recovers() -> None:
     observed = converged(
         "grpo-colocated",
-        staleness={
-            "maxPolicyLagMs": 50,
-            "degradeAfterSeconds": 10,
-            "degradeAction": "pauseRollouts",
-        },
+        degrade={"maxPolicyLagMs": 50, "afterSeconds": 10, "action": "pauseRollouts"},
     )
     slow = Progress(role="actor", time=NOW, step=3, policy_lag_ms=120.0)
     first = reconcile(with_progress(observed, slow), now=NOW)

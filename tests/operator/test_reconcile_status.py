@@ -49,11 +49,7 @@ def test_merge_patch_between_sends_null_for_removed_keys() -> None:
 def test_status_after_recovery_drops_degrade_keys_one_recovered_event_full_delay_again() -> None:
     observed = converged(
         "grpo-colocated",
-        staleness={
-            "maxPolicyLagMs": 50,
-            "degradeAfterSeconds": 6,
-            "degradeAction": "pauseRollouts",
-        },
+        degrade={"maxPolicyLagMs": 50, "afterSeconds": 6, "action": "pauseRollouts"},
     )
     observed = server_writes(observed, reconcile(observed, now=NOW))
     events: list[str] = []

@@ -67,7 +67,7 @@ def test_sync_drifted_role_and_binding_reapplied() -> None:
 def test_user_service_account_is_bound_to_progress_role() -> None:
     before = job_object("dapo-disaggregated")
     observed = as_read(observed_children(before), before)
-    raw = job_object("dapo-disaggregated", serviceAccountName="team-sa")
+    raw = job_object("dapo-disaggregated", worker={"serviceAccountName": "team-sa"})
     plan = reconcile(dataclasses.replace(observed, job=raw), now=NOW)
     binding = next(o for o in plan.apply if o["kind"] == "RoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "team-sa", "namespace": "ns"}]

@@ -70,7 +70,8 @@ apply.py, handlers.py and what kopf itself calls):
 {{- define "rljob-operator.workloadRules" -}}
 - apiGroups: ["rljob.io"]
   resources: ["rljobs"]
-  verbs: ["get", "list", "watch", "patch", "delete"]
+  # update: the one-shot storage migration rewrites each RLJob in the storage version
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
 - apiGroups: ["rljob.io"]
   resources: ["rljobs/status", "rljobs/scale"]
   verbs: ["patch"]
@@ -131,4 +132,10 @@ Cluster-scoped reads, needed in both scopes:
 - apiGroups: ["scheduling.k8s.io"]
   resources: ["priorityclasses"]
   verbs: ["get"]
+# the operator's own CRD only: schema upgrade, conversion webhook address and caBundle, and
+# status.storedVersions after the storage migration
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions", "customresourcedefinitions/status"]
+  resourceNames: ["rljobs.rljob.io"]
+  verbs: ["get", "patch"]
 {{- end -}}
