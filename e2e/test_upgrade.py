@@ -1,7 +1,8 @@
-"""Upgrade from the previous release (git ``main``) keeps running jobs running: aspects under test
+"""Upgrade from the previous release keeps running jobs running: aspects under test
 
-- the previous release's chart (Helm install) and operator code (a process from ``git archive
-  main``) run every example to Running on its v1alpha1-only CRD;
+- the previous release's chart (Helm install) and operator code (a process from ``git archive``
+  of ``tests.previous_release.PREVIOUS_RELEASE``, the last released commit) run every example
+  to Running on its v1alpha1-only CRD;
 - ``helm upgrade`` to this chart and a restart with this build's operator: the operator applies
   the two-version CRD with its conversion webhook, rewrites every RLJob in v1beta1 and trims
   ``status.storedVersions`` to ``[v1beta1]``;
@@ -25,11 +26,13 @@ import pytest
 from e2e.cluster import REPO, LocalCluster, cache_dir
 from e2e.helpers import get_json, wait_for
 from e2e.operator_proc import OperatorProcess
-from rljob_workers.config import Progress
+from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, Progress
+from tests import previous_release
 
 pytestmark = pytest.mark.cluster
 EXAMPLES = {"grpo-colocated": 2, "ppo-colocated": 2, "dapo-disaggregated": 4}
 NS = "upgrade"
+RESTART_REASONS = ("RollingRestart", "GroupRestart", "RolloutReplaced", "WorkerSchemaMismatch")
 
 
 def helm(cluster: LocalCluster, *args: str) -> None:
@@ -41,12 +44,7 @@ def helm(cluster: LocalCluster, *args: str) -> None:
 
 @pytest.fixture(scope="module")
 def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = tmp_path_factory.mktemp("previous-release")
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "main"], check=True, capture_output=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    return tree
+    return previous_release.extract(tmp_path_factory.mktemp("previous-release"))
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +69,6 @@ def stored(cluster: LocalCluster) -> list[str]:
     return list(crd["status"]["storedVersions"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect of the base branch (issue-12): the worker config renders "
-    "algorithm.overlong.maxLength/cacheLength from the spec even when the overlong buffer is "
-    "disabled (main rendered 4/0), so every job's restart hash changes and the actor pods are "
-    "replaced on upgrade from main",
-)
 def test_upgrade_from_previous_release_keeps_jobs_running(
     own_cluster: LocalCluster, old_tree: Path, tmp_path: Path
 ) -> None:
@@ -114,7 +105,8 @@ def test_upgrade_from_previous_release_keeps_jobs_running(
         n: (p["metadata"]["uid"], p["metadata"]["annotations"]) for n, p in pods(cluster).items()
     }
     statuses = {j["metadata"]["name"]: j["status"] for j in jobs(cluster, "v1alpha1")}
-    assert stored(cluster) == ["v1alpha1"]
+    before_stored = stored(cluster)
+    assert before_stored == ["v1alpha1"]
     old.kill(signal.SIGTERM)
 
     helm(cluster, "upgrade", "rel", str(REPO / chart), "-n", "ops", *values)
@@ -122,26 +114,44 @@ def test_upgrade_from_previous_release_keeps_jobs_running(
     new.start()
     wait_for(lambda: stored(cluster) == ["v1beta1"], 60, "storedVersions [v1beta1]")
 
-    def reconciled() -> bool:  # every pod re-applied by the new operator (owner now v1beta1)
-        owners = {p["metadata"]["ownerReferences"][0]["apiVersion"] for p in pods(cluster).values()}
-        return owners == {"rljob.io/v1beta1"}
+    def reconciled() -> bool:  # the new operator rewrote every config ConfigMap (schema key)
+        maps = get_json(cluster, "configmaps", "-n", NS)["items"]
+        versions = {
+            m["metadata"]["name"]: m.get("data", {}).get(SCHEMA_KEY)
+            for m in maps
+            if m["metadata"]["name"].endswith("-config")
+        }
+        return versions == {f"{e}-config": str(SCHEMA_VERSION) for e in EXAMPLES}
 
     try:
         wait_for(reconciled, 60, "the new operator's pass over every job")
+        later = Progress(role="actor", replica=0, time=2.0, step=6, policy_version=6)
+        patch = json.dumps({"data": {later.key: later.model_dump_json()}})
+        cluster.kubectl(
+            "patch", "configmap", "grpo-colocated-progress", "-n", NS, "--type=merge", "-p", patch
+        )
+        wait_for(lambda: status(cluster, "grpo-colocated").get("step") == 6, 30, "a later pass")
     finally:
         print(new.tail(3000))
     after = {
         n: (p["metadata"]["uid"], p["metadata"]["annotations"]) for n, p in pods(cluster).items()
     }
     assert after == before  # no pod replaced, same config hashes
+    assert pod_events(cluster) == []  # no restart, no schema mismatch
+    assert status(cluster, "grpo-colocated")["step"] == 6
     for version in ("v1alpha1", "v1beta1"):
         listed = {j["metadata"]["name"]: j for j in jobs(cluster, version)}
         assert set(listed) == set(EXAMPLES), version
         for name, job in listed.items():
-            for key in ("phase", "resolvedTopology", "startTime", "step"):
+            for key in ("phase", "resolvedTopology", "startTime"):
                 assert job["status"].get(key) == statuses[name].get(key), (version, name, key)
     new.kill(signal.SIGTERM)
-    print(f"storedVersions before ['v1alpha1'], after {stored(cluster)}; {len(after)} pods kept")
+    print(f"storedVersions before {before_stored}, after {stored(cluster)}; {len(after)} pods kept")
+
+
+def pod_events(cluster: LocalCluster) -> list[str]:
+    events = get_json(cluster, "events", "-n", NS)["items"]
+    return [e["message"] for e in events if e["reason"] in RESTART_REASONS]
 
 
 def jobs(cluster: LocalCluster, version: str) -> list[dict[str, Any]]:

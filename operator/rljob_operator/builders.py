@@ -29,6 +29,8 @@ from rljob_operator.api import (
 from rljob_workers.config import (
     CONTROL_KEY,
     PROGRESS_CONFIGMAP_SUFFIX,
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
     AlgorithmConfig,
     BufferConfig,
     CheckpointConfig,
@@ -298,17 +300,46 @@ def build_worker_config(
 
 
 LIVE_SECTIONS = ("buffer", "staleness", "weight_sync", "trainer.gradient_compression", "checkpoint")
+DISABLED_OVERLONG = {"enabled": False, "max_length": 1024, "cache_length": 256}
+"""How the hash sees a disabled overlong buffer, whatever lengths it carries: they do nothing,
+and these are the lengths the first release rendered (its spec defaults), so pods it started keep
+their hash (``e2e/test_upgrade.py``)."""
+HASH_NEUTRAL: dict[str, object] = {}
+"""Worker-config fields added after the first release, by dotted path, with the value that
+behaves as before: the hash leaves a field out while it holds that value, so upgrading the
+operator restarts no pod. Add an entry with every such field (``tests/operator/test_builders.py``
+checks that the first release's fields are all the hash covers)."""
 
 
 def restart_hash(config: WorkerConfig) -> str:
-    """Hash of the config minus what running workers pick up live (buffer aging, staleness,
-    compression, checkpoint pointers): pods whose hash differs need a controlled restart."""
+    """Hash of what a worker cannot take live: the config minus the sections running workers
+    re-read (buffer aging, staleness, compression, checkpoint pointers), with settings that do
+    nothing in canonical form (a disabled overlong buffer) and fields added since the first
+    release left out while they hold their as-before value. Pods whose hash differs need a
+    controlled restart; an equivalent spec gives the same hash across operator upgrades."""
     data = config.model_dump(mode="json")
     for section in LIVE_SECTIONS:
-        parent, _, child = section.rpartition(".")
-        target = data[parent] if parent else data
-        target.pop(child, None)
+        _pop_path(data, section)
+    if not config.algorithm.overlong.enabled:
+        data["algorithm"]["overlong"] = dict(DISABLED_OVERLONG)
+    for path, neutral in HASH_NEUTRAL.items():
+        parent = _dig_path(data, path.rpartition(".")[0])
+        leaf = path.rpartition(".")[2]
+        if isinstance(parent, dict) and leaf in parent and parent[leaf] == neutral:
+            del parent[leaf]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _dig_path(data: Any, dotted: str) -> Any:
+    for part in filter(None, dotted.split(".")):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _pop_path(data: dict[str, Any], dotted: str) -> None:
+    parent = _dig_path(data, dotted.rpartition(".")[0])
+    if isinstance(parent, dict):
+        parent.pop(dotted.rpartition(".")[2], None)
 
 
 # ------------------------------------------------------------------------------ objects
@@ -325,6 +356,7 @@ def build_configmap(
         "metadata": _metadata(job, configmap_name(job)),
         "data": {
             "config.json": config.dump(),
+            SCHEMA_KEY: str(SCHEMA_VERSION),
             CONTROL_KEY: json.dumps(live.model_dump(mode="json"), sort_keys=True),
         },
     }

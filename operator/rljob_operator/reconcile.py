@@ -62,7 +62,15 @@ from rljob_operator.kueue import (
     read_workload,
     workload_name,
 )
-from rljob_workers.config import CONTROL_KEY, Control, Progress
+from rljob_workers.config import (
+    CONTROL_KEY,
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    Control,
+    Progress,
+    schema_mismatch,
+    schema_version_of,
+)
 
 TOKEN_PLACEHOLDER = "__generated__"
 RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "PodGroup")
@@ -239,14 +247,24 @@ never rewritten, ConfigMaps compare their data)."""
 
 def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
     """The workers' heartbeats from the progress ConfigMap (malformed entries are skipped)."""
-    data = observed.configmaps.get(progress_name(ref), {}).get("data") or {}
-    out = []
-    for text in data.values():
+    return _parse_progress(observed, ref)[0]
+
+
+def _parse_progress(observed: Observed, ref: JobRef) -> tuple[list[Progress], str | None]:
+    """The heartbeats, and a message naming both schema versions when entries written by
+    workers of another schema version do not parse (None when all parse or versions agree)."""
+    data = dict(observed.configmaps.get(progress_name(ref), {}).get("data") or {})
+    theirs = schema_version_of(data.pop(SCHEMA_KEY, None))
+    out, bad = [], []
+    for key, text in sorted(data.items()):
         try:
             out.append(Progress.model_validate_json(text))
         except ValueError:
-            continue
-    return out
+            bad.append(key)
+    if bad and theirs != SCHEMA_VERSION:
+        mismatch = schema_mismatch(theirs, "the workers", "operator")
+        return out, f"progress of {', '.join(bad)} not understood: {mismatch}"
+    return out, None
 
 
 def _invalid_spec_fixed(status: dict[str, Any], generation: int) -> bool:
@@ -337,7 +355,9 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     spec = job.spec
     topology = sticky_topology(spec, old)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
-    progress = read_progress(observed, ref)
+    progress, mismatch = _parse_progress(observed, ref)
+    if mismatch:
+        work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
     _report_progress(work, progress, spec, topology)
 
     ctx = _Job(observed, spec, topology, key, old, generation, now, stored)

@@ -409,12 +409,14 @@ def _rewrite(kube: Kube, namespace: str, name: str, job: dict[str, Any], deadlin
 
 
 def _retry(call: Callable[[], Any], deadline: float) -> Any:
-    """``call`` retried while the API server cannot reach the webhook yet (new caBundle)."""
+    """``call`` retried while the API server cannot reach the webhook yet (new caBundle: 500,
+    503) or does not serve the version just added to the CRD yet (404 for a moment after the
+    update, seen on upgrade from a v1alpha1-only CRD)."""
     while True:
         try:
             return call()
         except ApiException as exc:
-            if exc.status not in (500, 503) or time.monotonic() > deadline:
+            if exc.status not in (404, 500, 503) or time.monotonic() > deadline:
                 raise
             log.info("waiting for the API server to use the conversion webhook: %s", exc.reason)
             time.sleep(1.0)

@@ -18,6 +18,26 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
+SCHEMA_VERSION = 2
+"""Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
+JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
+key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
+progress ConfigMap. A missing key means schema 1. See README "Worker and operator versions"."""
+SCHEMA_KEY = "schema-version"
+
+
+def schema_version_of(text: str | None) -> int:
+    """The schema version stored under ``schema-version`` (missing: 1, the first release)."""
+    return int(text.strip()) if text and text.strip().isdigit() else 1
+
+
+def schema_mismatch(theirs: int, writer: str, reader: str) -> str:
+    """The message for a contract one side does not understand, naming both versions."""
+    return (
+        f"{writer} writes worker schema version {theirs}, this {reader} reads version "
+        f"{SCHEMA_VERSION}: run operator and worker images of the same release (or one release "
+        "apart, with only fields both understand)"
+    )
 
 
 class _Model(BaseModel):
@@ -177,6 +197,12 @@ class WorkerConfig(_Model):
     @classmethod
     def load(cls, path: str | Path) -> WorkerConfig:
         return cls.parse(Path(path).read_text())
+
+    @staticmethod
+    def schema_version_beside(path: str | Path) -> int:
+        """The operator's schema version: the ``schema-version`` file next to the config."""
+        version_file = Path(path).parent / SCHEMA_KEY
+        return schema_version_of(version_file.read_text() if version_file.is_file() else None)
 
 
 class ProcessEnv(_Model):

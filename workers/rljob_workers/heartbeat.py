@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Protocol
 
-from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX, Progress
+from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX, SCHEMA_KEY, SCHEMA_VERSION, Progress
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -74,7 +74,8 @@ class KubeHeartbeat:
         )
 
     def write(self, progress: Progress) -> None:
-        body = json.dumps({"data": {progress.key: progress.model_dump_json()}}).encode()
+        data = {progress.key: progress.model_dump_json(), SCHEMA_KEY: str(SCHEMA_VERSION)}
+        body = json.dumps({"data": data}).encode()
         request = urllib.request.Request(
             self.url,
             data=body,

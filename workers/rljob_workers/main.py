@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rljob_workers.config import ProcessEnv, WorkerConfig
+from rljob_workers.config import SCHEMA_VERSION, ProcessEnv, WorkerConfig, schema_mismatch
 
 __all__ = ["ConfigError", "main", "run_worker", "validate_worker_config"]
 
@@ -228,12 +228,14 @@ def _load_config(env: ProcessEnv) -> WorkerConfig:
     try:
         return WorkerConfig.load(path)
     except ValidationError as exc:
-        raise ConfigError(
-            [
-                f"RLJOB_CONFIG: {path}: {'.'.join(map(str, e['loc']))}: {e['msg']}"
-                for e in exc.errors()
-            ]
-        ) from exc
+        problems = [
+            f"RLJOB_CONFIG: {path}: {'.'.join(map(str, e['loc']))}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        theirs = WorkerConfig.schema_version_beside(path)
+        if theirs != SCHEMA_VERSION:
+            problems.insert(0, schema_mismatch(theirs, "the operator", "worker"))
+        raise ConfigError(problems) from exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

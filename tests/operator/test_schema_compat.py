@@ -1,0 +1,168 @@
+"""Worker <-> operator compatibility one release apart, with the previous release's code.
+
+Aspects under test (the previous release is schema 1: no version key, unknown fields forbidden):
+- its workers parse the config this operator renders for every example (the schema version
+  travels in a separate ConfigMap key they ignore), and this build's workers parse the config it
+  rendered (no version file: schema 1);
+- its operator reads this build's heartbeats (the schema-version key is skipped as it skips any
+  entry it cannot parse), and this operator reads its workers' heartbeats;
+- a config or a heartbeat this side cannot parse, from a different schema version, fails with a
+  message naming both versions (worker exit message; operator Warning event).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob_operator import api
+from rljob_operator.builders import (
+    CHECKPOINT_MOUNT,
+    JobRef,
+    build_configmap,
+    build_worker_config,
+    progress_name,
+)
+from rljob_operator.conversion import parse_any_version
+from rljob_operator.reconcile import read_progress, reconcile
+from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, ProcessEnv, Progress, WorkerConfig
+from rljob_workers.main import ConfigError, _load_config
+from tests import previous_release
+from tests.operator.test_reconcile import NOW, job_object, observed_children
+
+EXAMPLES = ["grpo-colocated", "ppo-colocated", "dapo-disaggregated"]
+
+OLD_PARSE_CONFIG = """
+import json, sys
+from rljob_workers.config import WorkerConfig
+for text in json.load(sys.stdin):
+    WorkerConfig.parse(text)
+print("parsed")
+"""
+
+OLD_RENDER_CONFIG = """
+import json, sys
+from rljob_operator import api, builders
+out = []
+for raw in json.load(sys.stdin):
+    job = api.RLJob.model_validate(raw)
+    topology, _ = api.resolve_topology(job.spec)
+    ref = builders.JobRef.from_metadata(raw["metadata"])
+    config = builders.build_worker_config(job.spec, ref, topology)
+    out.append(builders.build_configmap(ref, config)["data"])
+print(json.dumps(out))
+"""
+
+OLD_READ_PROGRESS = """
+import json, sys
+from rljob_operator.reconcile import Observed, read_progress
+from rljob_operator.builders import JobRef
+data = json.load(sys.stdin)
+ref = JobRef("demo", "ns", "uid")
+observed = Observed(job={}, configmaps={"demo-progress": {"data": data}})
+print(json.dumps([p.model_dump(mode="json") for p in read_progress(observed, ref)]))
+"""
+
+OLD_HEARTBEAT = """
+from rljob_workers.config import Progress
+print(Progress(role="trainer", replica=0, time=5.0, step=3, policy_version=3).model_dump_json())
+"""
+
+
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return previous_release.extract(tmp_path_factory.mktemp("previous-release"))
+
+
+def _manifests(tree: Path) -> list[dict[str, Any]]:
+    out = []
+    for example in EXAMPLES:
+        raw = yaml.safe_load((tree / "examples" / f"{example}.yaml").read_text())
+        raw["metadata"].update({"namespace": "ns", "uid": "uid-1"})
+        out.append(raw)
+    return out
+
+
+def test_previous_release_worker_parses_this_operators_config(old_tree: Path) -> None:
+    texts = []
+    for raw in _manifests(old_tree):
+        job = parse_any_version(raw)
+        topology, _ = api.resolve_topology(job.spec)
+        ref = JobRef.from_metadata(raw["metadata"])
+        config = build_worker_config(job.spec, ref, topology, checkpoint_dir=CHECKPOINT_MOUNT)
+        data = build_configmap(ref, config)["data"]
+        assert data[SCHEMA_KEY] == str(SCHEMA_VERSION) and SCHEMA_KEY not in data["config.json"]
+        texts.append(data["config.json"])
+    out = previous_release.run_python(old_tree, OLD_PARSE_CONFIG, json.dumps(texts))
+    assert out.strip() == "parsed"
+
+
+def test_this_worker_parses_previous_release_operators_config(
+    old_tree: Path, tmp_path: Path
+) -> None:
+    rendered = previous_release.run_python(
+        old_tree, OLD_RENDER_CONFIG, json.dumps(_manifests(old_tree))
+    )
+    for i, data in enumerate(json.loads(rendered)):
+        assert SCHEMA_KEY not in data
+        path = tmp_path / str(i) / "config.json"
+        path.parent.mkdir()
+        path.write_text(data["config.json"])
+        assert WorkerConfig.schema_version_beside(path) == 1
+        env = ProcessEnv(role="actor", config_path=str(path))
+        assert _load_config(env).job_name == EXAMPLES[i]
+
+
+def test_previous_release_operator_reads_this_workers_heartbeat(old_tree: Path) -> None:
+    beat = Progress(role="actor", replica=1, time=9.0, step=4, policy_version=4)
+    data = {beat.key: beat.model_dump_json(), SCHEMA_KEY: str(SCHEMA_VERSION)}
+    read = json.loads(previous_release.run_python(old_tree, OLD_READ_PROGRESS, json.dumps(data)))
+    assert [(p["role"], p["replica"], p["step"]) for p in read] == [("actor", 1, 4)]
+
+
+def test_this_operator_reads_previous_release_workers_heartbeat(old_tree: Path) -> None:
+    text = previous_release.run_python(old_tree, OLD_HEARTBEAT).strip()
+    raw = job_object("grpo-colocated")
+    observed = observed_children(raw)
+    ref = JobRef.from_metadata(raw["metadata"])
+    observed.configmaps[progress_name(ref)] = {"data": {"trainer-0": text}}
+    assert [(p.role, p.step) for p in read_progress(observed, ref)] == [("trainer", 3)]
+    plan = reconcile(observed, now=NOW)
+    assert not [e for e in plan.events if e.reason == "WorkerSchemaMismatch"]
+
+
+def test_load_config_newer_operator_unknown_field_error_names_both_versions(
+    tmp_path: Path,
+) -> None:
+    raw = job_object("grpo-colocated")
+    job = parse_any_version(raw)
+    topology, _ = api.resolve_topology(job.spec)
+    rendered = build_worker_config(job.spec, JobRef.from_metadata(raw["metadata"]), topology)
+    config = json.loads(rendered.dump())
+    config["algorithm"]["future_knob"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / SCHEMA_KEY).write_text(str(SCHEMA_VERSION + 1))
+    with pytest.raises(ConfigError) as err:
+        _load_config(ProcessEnv(role="actor", config_path=str(tmp_path / "config.json")))
+    message = str(err.value)
+    assert f"version {SCHEMA_VERSION + 1}" in message and f"version {SCHEMA_VERSION}" in message
+    assert "algorithm.future_knob" in message
+
+
+def test_reconcile_newer_workers_heartbeat_unknown_field_warning_names_both_versions() -> None:
+    raw = job_object("grpo-colocated")
+    observed = observed_children(raw)
+    ref = JobRef.from_metadata(raw["metadata"])
+    beat = json.loads(Progress(role="actor", time=1.0, step=2).model_dump_json())
+    beat["future_gauge"] = 0.5
+    data = {"actor-0": json.dumps(beat), SCHEMA_KEY: str(SCHEMA_VERSION + 1)}
+    observed.configmaps[progress_name(ref)] = {"data": data}
+    plan = reconcile(observed, now=NOW)
+    warnings = [e.message for e in plan.events if e.reason == "WorkerSchemaMismatch"]
+    assert len(warnings) == 1 and "actor-0" in warnings[0]
+    assert f"version {SCHEMA_VERSION + 1}" in warnings[0]
+    assert f"version {SCHEMA_VERSION}" in warnings[0]
