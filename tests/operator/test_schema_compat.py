@@ -13,6 +13,8 @@ Aspects under test (the previous release is schema 1: no version key, unknown fi
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from rljob_operator.builders import (
 from rljob_operator.conversion import parse_any_version
 from rljob_operator.reconcile import read_progress, reconcile
 from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, ProcessEnv, Progress, WorkerConfig
+from rljob_workers.heartbeat import KubeHeartbeat
 from rljob_workers.main import ConfigError, _load_config
 from tests import previous_release
 from tests.operator.test_reconcile import NOW, job_object, observed_children
@@ -117,11 +120,43 @@ def test_this_worker_parses_previous_release_operators_config(
         assert _load_config(env).job_name == EXAMPLES[i]
 
 
+def _heartbeat_patch(progress: Progress) -> dict[str, Any]:
+    """The merge patch this build's worker sends, caught by a loopback HTTP server."""
+    bodies: list[bytes] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        KubeHeartbeat(server=url, token="t", namespace="ns", job_name="demo").write(progress)
+    finally:
+        server.shutdown()
+    patch: dict[str, Any] = json.loads(bodies[0])
+    return patch
+
+
 def test_previous_release_operator_reads_this_workers_heartbeat(old_tree: Path) -> None:
     beat = Progress(role="actor", replica=1, time=9.0, step=4, policy_version=4)
-    data = {beat.key: beat.model_dump_json(), SCHEMA_KEY: str(SCHEMA_VERSION)}
+    data = _heartbeat_patch(beat)["data"]
+    assert data[SCHEMA_KEY] == str(SCHEMA_VERSION)
     read = json.loads(previous_release.run_python(old_tree, OLD_READ_PROGRESS, json.dumps(data)))
     assert [(p["role"], p["replica"], p["step"]) for p in read] == [("actor", 1, 4)]
+    ref = JobRef("demo", "ns", "uid")
+    observed = observed_children(job_object("grpo-colocated"))
+    observed.configmaps[progress_name(ref)] = {"data": data}
+    assert [(p.role, p.step) for p in read_progress(observed, ref)] == [("actor", 4)]
 
 
 def test_this_operator_reads_previous_release_workers_heartbeat(old_tree: Path) -> None:
