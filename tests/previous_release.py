@@ -15,8 +15,13 @@ PREVIOUS_RELEASE = "c300532b06c3041860d45121235f1c1538189069"
 def extract(into: Path) -> Path:
     """``git archive`` of the previous release unpacked under ``into``; returns ``into``."""
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], check=True, capture_output=True
+        ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], check=False, capture_output=True
     )
+    if archive.returncode != 0:
+        raise AssertionError(
+            f"the previous release {PREVIOUS_RELEASE[:7]} is not in this clone's history "
+            f"({archive.stderr.decode().strip()}): clone without --depth, or git fetch --unshallow"
+        )
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into
 
