@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator import api
+from rljob_operator import api, builders
 from rljob_operator.builders import (
     CHECKPOINT_MOUNT,
     HASH_NEUTRAL,
@@ -165,3 +165,16 @@ def test_restart_hash_fields_since_previous_release_declared_neutral(old_tree: P
         "each to builders.HASH_NEUTRAL with the value that behaves as before, or every running "
         "job restarts on upgrade"
     )
+
+
+def test_restart_hash_neutral_entry_leaves_out_only_the_as_before_value(
+    old_tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _base(old_tree)
+    as_before = _with(base, "algorithm.tis_cap", 2.0)
+    changed = _with(base, "algorithm.tis_cap", 3.0)
+    plain = {c: restart_hash(c) for c in (as_before, changed)}
+    monkeypatch.setattr(builders, "HASH_NEUTRAL", {"algorithm.tis_cap": 2.0})
+    assert restart_hash(as_before) != plain[as_before]  # left out of the hashed data
+    assert restart_hash(changed) == plain[changed]  # any other value hashed as ever
+    assert restart_hash(changed) != restart_hash(as_before)
