@@ -994,7 +994,11 @@ class _SpecCommon(SpecModel):
     task: Task = Field(description="Prompts and reward.")
     rollout: Rollout = _nested(Rollout, "Rollout engines.")
     trainer: Trainer = _nested(Trainer, "Trainers.")
-    staleness: Staleness = _nested(Staleness, "Staleness bounds.")
+    staleness: Staleness = _nested(
+        Staleness,
+        "How old the data a trainer learns from may be: version bound, off-policy correction, "
+        "rollout hold (the policy-lag degrade rule is spec.degrade).",
+    )
     buffer: Buffer = _nested(Buffer, "Experience buffer.")
     weight_sync: WeightSync = _nested(WeightSync, "Weight synchronisation trainer → rollouts.")
     checkpoint: Checkpoint = _nested(Checkpoint, "Checkpointing.")
