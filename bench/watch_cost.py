@@ -7,8 +7,9 @@ control plane with kwok nodes:
 1. create N colocated jobs (2 pods each) and wait until every job is Running;
 2. let the operator settle, then measure a window with nothing happening (no heartbeats, no
    edits): the API server's request count and bytes sent (responses + watch events), minus the
-   same window measured with the operator stopped (the control plane's own traffic), and the
-   operator's CPU seconds (utime + stime of its process).
+   same window measured with the operator stopped and the namespace deleted (the control plane's
+   own traffic), and the operator's CPU seconds (utime + stime of its process). Each run's
+   namespace is gone before the next run starts, so deletions never fall into a window.
 
 Reports API requests per job-minute, KiB received per job-minute, and operator CPU in cores per
 100 idle jobs. Writes bench/results/watch_cost.json and watch_cost.png.
@@ -121,10 +122,9 @@ def measure(
     time.sleep(20)
     with_op = window(cluster, seconds, op.proc.pid)
     op.kill()
+    clean_up(cluster, kube, ns)  # so no deletion traffic spills into the next windows
     say(f"{version}: control plane alone")
-    time.sleep(5)
     alone = window(cluster, seconds, None)
-    cluster.kubectl("delete", "namespace", ns, "--wait=false")
     minutes = seconds / 60
     requests = max(0.0, with_op["requests"] - alone["requests"])
     received = max(0.0, with_op["bytes"] - alone["bytes"])
@@ -138,6 +138,21 @@ def measure(
         "cores_per_100_jobs": with_op["cpu_s"] / seconds * 100 / jobs,
         "raw": {"with_operator": with_op, "control_plane_alone": alone},
     }
+
+
+def clean_up(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+    """Delete the namespace and wait until it is gone (dropping the old operator's finalizers)."""
+    for job in kube.list("rljob.io/v1alpha1", "RLJob", ns):
+        if job["metadata"].get("finalizers"):
+            kube.merge_patch(
+                "rljob.io/v1alpha1",
+                "RLJob",
+                ns,
+                job["metadata"]["name"],
+                {"metadata": {"finalizers": None}},
+            )
+    cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=600s")
+    time.sleep(10)
 
 
 def before_code(rev: str, tmp: Path) -> Path:
