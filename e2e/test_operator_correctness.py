@@ -1,6 +1,7 @@
 """Operator behaviour that needs the API server's own semantics: aspects under test
 
-- status keys the operator drops really go away (merge patch with nulls): after recovery
+- status keys the operator drops really go away (merge patch with nulls), written under the
+  ``rljob-operator`` field manager: after recovery
   ``lagAboveSince`` / ``degradeAction`` are gone, healthy heartbeats post one ``Recovered`` Event,
   and the next spike waits the full ``degradeAfterSeconds``;
 - a child the API server refuses (a PriorityClass that does not exist) shows up as a Warning
@@ -67,6 +68,9 @@ def test_status_removals_take_effect_one_recovered_event_full_delay_again(
     assert "lagAboveSince" not in st and "degradeAction" not in st, st
     recovered = [e for e in events(cluster, namespace, "lag") if e["reason"] == "Recovered"]
     assert sum(e.get("count", 1) for e in recovered) == 1
+    job = get_json(cluster, "rljob", "lag", "-n", namespace, "--show-managed-fields")
+    writers = {(m["manager"], m.get("subresource", "")) for m in job["metadata"]["managedFields"]}
+    assert ("rljob-operator", "status") in writers  # every write names its field manager
     beat(180.0)
     time.sleep(3)
     assert status(cluster, namespace, "lag")["phase"] == "Running"  # 3 s into 6
