@@ -36,6 +36,7 @@ class Request:
     path: str
     query: Mapping[str, str]
     body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class _Handler(BaseHTTPRequestHandler):
             return json_response({"error": f"body over {owner.max_body_bytes} bytes"}, 413)
         body = self.rfile.read(length) if length else b""
         try:
-            return route(Request(method, path, query, body))
+            return route(Request(method, path, query, body, dict(self.headers.items())))
         except BadRequest as err:
             return json_response({"error": str(err)}, 400)
         except Exception:
