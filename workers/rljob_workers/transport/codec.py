@@ -190,7 +190,10 @@ def _int32_bytes(values: Sequence[int], trajectory_id: str, name: str) -> bytes:
 
 
 def _logprob_bytes(values: Sequence[float]) -> tuple[int, bytes]:
-    wide = np.asarray(values, dtype="<f8")
+    packed = array("d", values)
+    if not _LITTLE:
+        packed.byteswap()
+    wide = np.frombuffer(packed, dtype="<f8")
     narrow = wide.astype("<f4")
     if np.array_equal(narrow.astype("<f8"), wide):
         return 4, narrow.tobytes()
