@@ -41,12 +41,17 @@ class Request:
 
 @dataclass(frozen=True)
 class Response:
-    """What a route answers; ``headers`` are sent in addition to type and length."""
+    """What a route answers; ``headers`` are sent in addition to type and length.
+
+    ``chunks`` follow ``body`` on the wire without being joined into it (a large payload is
+    written straight from the memory that holds it).
+    """
 
     status: int
     body: bytes = b""
     content_type: str = "application/json"
     headers: Mapping[str, str] = field(default_factory=dict)
+    chunks: tuple[memoryview, ...] = ()
 
 
 class BadRequest(ValueError):
@@ -155,7 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, response: Response) -> None:
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(len(response.body)))
+        length = len(response.body) + sum(c.nbytes for c in response.chunks)
+        self.send_header("Content-Length", str(length))
         for key, value in response.headers.items():
             self.send_header(key, value)
         if self.close_connection:
@@ -163,6 +169,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if response.body:
             self.wfile.write(response.body)
+        for chunk in response.chunks:
+            self.wfile.write(chunk)
 
 
 def _content_length(header: str | None) -> int:

@@ -9,6 +9,11 @@ time fetches the current version with one request. Endpoints (job token required
   up to ``S`` seconds (capped at 60) for a newer version, else answers 204.
 - ``GET /v1/weights/version`` — ``{"version": N | null}``.
 
+The payload streams both ways: the server writes each wire tensor from its own memory and the
+client reads each one straight into the tensor it returns (``codec.read_payload``), so neither
+side builds the whole model as one ``bytes``. The body is an ordinary safetensors file, so a
+client or server from before streaming still reads it.
+
 Latency (publish → usable on the receiver) is measured as wall-clock receipt-after-decode minus
 the publish time stamped in the payload: exact on one host, subject to clock skew across hosts.
 """
@@ -22,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar, cast
 from urllib.parse import urlencode
 
 import torch
@@ -37,10 +43,13 @@ from rljob_workers.transport.authhttp import (
 from rljob_workers.weightsync.codec import (
     Compression,
     DecodedWeights,
-    decode_weights,
-    encode_weights,
+    WirePayload,
+    build_payload,
     raw_nbytes,
+    read_payload,
 )
+
+_T = TypeVar("_T")
 
 __all__ = ["MAX_WAIT_S", "PublishReport", "ReceivedWeights", "WeightClient", "WeightServer"]
 
@@ -88,7 +97,7 @@ class WeightServer:
     ) -> None:
         self.compression: Compression = compression
         self._clock = clock
-        self._payload: bytes | None = None
+        self._payload: WirePayload | None = None
         self._version: int | None = None
         self._changed = threading.Condition()
         routes = {
@@ -117,12 +126,12 @@ class WeightServer:
         if self._version is not None and version <= self._version:
             raise ValueError(f"version: {version} is not newer than published {self._version}")
         start = time.perf_counter()
-        payload = encode_weights(version, state, self.compression, published_at=self._clock())
+        payload = build_payload(version, state, self.compression, published_at=self._clock())
         encode_ms = (time.perf_counter() - start) * 1000
         with self._changed:
             self._payload, self._version = payload, version
             self._changed.notify_all()
-        return PublishReport(version, raw_nbytes(state), len(payload), encode_ms)
+        return PublishReport(version, raw_nbytes(state), payload.nbytes, encode_ms)
 
     def start(self) -> WeightServer:
         """Start serving on a background thread; returns self."""
@@ -158,7 +167,12 @@ class WeightServer:
         if payload is None or version is None or version <= after:
             return Response(204, headers={"X-RLJob-Version": str(version)})
         headers = {"X-RLJob-Version": str(version), "X-RLJob-Compression": self.compression}
-        return Response(200, payload, "application/octet-stream", headers)
+        return Response(
+            200,
+            content_type="application/octet-stream",
+            headers=headers,
+            chunks=tuple(payload.chunks()),
+        )
 
     def _newer_than(self, after: int) -> bool:
         return self._version is not None and self._version > after
@@ -195,35 +209,51 @@ class WeightClient:
         Returns None when nothing newer appeared in time.
         """
         query = {"wait_s": wait_s} if after is None else {"after": after, "wait_s": wait_s}
-        status, payload = self._get("/v1/weights/latest?" + urlencode(query), wait_s)
-        if status == 204:
+        weights = self._get("/v1/weights/latest?" + urlencode(query), wait_s, _read_weights)
+        if weights is None:
             return None
-        weights = decode_weights(payload)
         return ReceivedWeights(weights, (self._clock() - weights.published_at) * 1000)
 
     def latest_version(self) -> int | None:
         """The server's latest version without downloading the weights."""
-        _, payload = self._get("/v1/weights/version", 0.0)
-        version = json.loads(payload)["version"]
+        payload = self._get("/v1/weights/version", 0.0, _read_all)
+        version = json.loads(payload or b"{}")["version"]
         return None if version is None else int(version)
 
-    def _get(self, path: str, wait_s: float) -> tuple[int, bytes]:
+    def _get(
+        self, path: str, wait_s: float, read: Callable[[http.client.HTTPResponse], _T]
+    ) -> _T | None:
+        """GET ``path`` and hand a 200 response to ``read``; None for 204."""
         conn = http.client.HTTPConnection(
             self._host, self._port, timeout=self.request_timeout_s + wait_s
         )
         try:
             conn.request("GET", path, headers=self._headers)
             response = conn.getresponse()
-            payload = response.read()
-        except (OSError, http.client.HTTPException) as err:
+            status = response.status
+            result = read(response) if status == 200 else response.read()
+        except (OSError, http.client.HTTPException, ValueError) as err:
             raise ConnectionError(f"weights from {self._host}:{self._port}: {err}") from err
         finally:
             conn.close()
-        if response.status in (401, 403):
+        if status == 200:
+            return cast(_T, result)
+        self._check_status(status, cast(bytes, result))
+        return None
+
+    def _check_status(self, status: int, payload: bytes) -> None:
+        if status in (401, 403):
             raise AuthError(
                 f"weight server {self._host}:{self._port} refused the job token "
-                f"({response.status}): check that RLJOB_TOKEN comes from this job's Secret"
+                f"({status}): check that RLJOB_TOKEN comes from this job's Secret"
             )
-        if response.status not in (200, 204):
-            raise ConnectionError(f"weight server answered {response.status}: {payload[:200]!r}")
-        return response.status, payload
+        if status != 204:
+            raise ConnectionError(f"weight server answered {status}: {payload[:200]!r}")
+
+
+def _read_weights(response: http.client.HTTPResponse) -> DecodedWeights:
+    return read_payload(response.readinto, wire_bytes=response.length)
+
+
+def _read_all(response: http.client.HTTPResponse) -> bytes:
+    return response.read()
