@@ -27,6 +27,7 @@ from torch import nn
 
 from rljob_workers.weightsync import WeightClient, WeightServer
 from rljob_workers.weightsync.codec import (
+    _fp8_to_float32,
     build_payload,
     compress_state,
     compress_tensor,
@@ -127,3 +128,13 @@ def test_read_payload_cut_short_names_where_it_ended() -> None:
 
     with pytest.raises(ValueError, match=f"ended inside tensor '{first}'"):
         decode_weights(payload[: 8 + header_len + 3])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 1e-4, 5e2, 1e37])
+def test_decode_fp8_every_code_equals_torch_cast_times_scale(scale) -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # all but the two NaNs
+
+    decoded = _fp8_to_float32(finite, scale)
+
+    assert torch.equal(decoded, finite.float() * scale)

@@ -109,10 +109,8 @@ def wire_dtype(dtype: torch.dtype, compression: Compression) -> torch.dtype:
 
 def fp8_scale(tensor: torch.Tensor, name: str = "tensor") -> float:
     """The per-tensor fp8 scale ``amax / 448`` (1.0 for an all-zero or empty tensor)."""
-    amax = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
-    if not math.isfinite(amax):
-        raise ValueError(f"{name}: holds non-finite values and cannot be fp8-compressed")
-    return amax / FP8_MAX if amax > 0 else 1.0
+    low, high = _extremes(tensor).tolist()
+    return _scale_of(max(-low, high), name)
 
 
 def compress_tensor(
@@ -205,16 +203,26 @@ def compress_state(
 
 
 def _fp8_scales(sources: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    names = [n for n, t in sources.items() if t.dtype in _FP8_INPUTS and t.numel()]
-    scales = {n: 1.0 for n, t in sources.items() if t.dtype in _FP8_INPUTS and not t.numel()}
-    if not names:
-        return scales
-    amaxes = torch._foreach_norm([sources[n] for n in names], math.inf)
-    for name, amax in zip(names, torch.stack([a.float() for a in amaxes]).tolist(), strict=True):
-        if not math.isfinite(amax):
-            raise ValueError(f"{name}: holds non-finite values and cannot be fp8-compressed")
-        scales[name] = amax / FP8_MAX if amax > 0 else 1.0
+    names = [n for n, t in sources.items() if t.dtype in _FP8_INPUTS]
+    extremes = torch.stack([_extremes(sources[n]) for n in names]).tolist() if names else []
+    scales = {}
+    for name, (low, high) in zip(names, extremes, strict=True):
+        scales[name] = _scale_of(max(-low, high), name)
     return scales
+
+
+def _extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` as float32 in one pass (``aminmax``: ~5x faster than ``abs().max()``)."""
+    if not tensor.numel():
+        return torch.zeros(2)
+    low, high = torch.aminmax(tensor.detach())
+    return torch.stack([low.float(), high.float()])
+
+
+def _scale_of(amax: float, name: str) -> float:
+    if not math.isfinite(amax):
+        raise ValueError(f"{name}: holds non-finite values and cannot be fp8-compressed")
+    return amax / FP8_MAX if amax > 0 else 1.0
 
 
 def build_payload(
@@ -326,8 +334,26 @@ def _read_tensor(read_into: ReadInto, name: str, entry: Any, position: int) -> t
 def _decompress(wire: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return wire if wire.dtype == dtype else wire.to(dtype)
-    out = torch.empty(wire.shape, dtype=torch.float32).copy_(wire).mul_(scale)
+    out = _fp8_to_float32(wire, scale)
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _fp8_to_float32(wire: torch.Tensor, scale: float) -> torch.Tensor:
+    """``wire.float() * scale`` for float8_e4m3fn, bit-identical and ~5x faster on CPU.
+
+    torch's fp8 -> fp32 cast is scalar code; this moves sign, exponent and mantissa bits into
+    float32 positions with integer ops (exact for normal and subnormal fp8 values: the result
+    is the fp8 value times 2**-120), then one multiply by ``scale * 2**120`` restores the
+    magnitude. fp8 NaN (never produced by ``compress_state``, which clamps) reads as +-480.
+    """
+    bits = torch.empty(wire.shape, dtype=torch.int32).copy_(wire.view(torch.uint8))
+    sign = torch.bitwise_and(bits, 0x80).bitwise_left_shift_(24)
+    bits.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
+    values = bits.view(torch.float32)
+    factor = scale * 2.0**120
+    if factor < 3.0e38:
+        return values.mul_(factor)
+    return values.mul_(2.0**120).mul_(scale)
 
 
 def _fill(read_into: ReadInto, view: memoryview, what: str) -> None:
