@@ -138,3 +138,57 @@ def test_decode_fp8_every_code_equals_torch_cast_times_scale(scale) -> None:
     decoded = _fp8_to_float32(finite, scale)
 
     assert torch.equal(decoded, finite.float() * scale)
+
+
+def big_state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((8 << 20,), value), "b": torch.full((3,), value)}
+
+
+def test_weight_server_slow_reader_keeps_its_version_while_newer_ones_publish() -> None:
+    with WeightServer(TOKEN) as server:
+        server.publish(1, big_state(1.0))
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v1/weights/latest", headers={"Authorization": f"Bearer {TOKEN}"})
+        response = conn.getresponse()
+        head = response.read(1024)  # a rollout on a slow link: most of v1 is still unsent
+        server.publish(2, big_state(2.0))
+        server.publish(3, big_state(3.0))
+        body = head + response.read()
+        conn.close()
+        latest = WeightClient(server.url, TOKEN).fetch_latest()
+
+    received = load_safetensors(body)
+    assert torch.equal(received["w"], big_state(1.0)["w"])
+    assert latest is not None and latest.version == 3
+    assert torch.equal(latest.weights.tensors["w"], big_state(3.0)["w"])
+
+
+@pytest.mark.parametrize("compression", ["none", "fp8"])
+def test_weight_client_reuse_buffers_each_fetch_correct_in_the_same_memory(compression) -> None:
+    with WeightServer(TOKEN, compression=compression) as server:
+        client = WeightClient(server.url, TOKEN, reuse_buffers=True)
+        server.publish(1, big_state(1.0))
+        first = client.fetch_latest()
+        assert first is not None
+        first_values = first.weights.tensors["w"].clone()
+        first_pointer = first.weights.tensors["w"].data_ptr()
+        server.publish(2, big_state(2.0))
+        second = client.fetch_latest(after=1)
+
+    assert second is not None and second.version == 2
+    assert torch.equal(first_values, big_state(1.0)["w"])
+    assert torch.equal(second.weights.tensors["w"], big_state(2.0)["w"])
+    assert second.weights.tensors["w"].data_ptr() == first_pointer
+
+
+def test_weight_server_steady_publishing_alternates_two_snapshots() -> None:
+    with WeightServer(TOKEN) as server:
+        pointers = []
+        for version in range(1, 5):
+            server.publish(version, big_state(float(version)))
+            assert server._payload is not None
+            pointers.append(server._payload.tensors[0].data_ptr())
+
+    assert pointers[0] == pointers[2] and pointers[1] == pointers[3]
+    assert pointers[0] != pointers[1]

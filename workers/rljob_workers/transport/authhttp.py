@@ -44,7 +44,8 @@ class Response:
     """What a route answers; ``headers`` are sent in addition to type and length.
 
     ``chunks`` follow ``body`` on the wire without being joined into it (a large payload is
-    written straight from the memory that holds it).
+    written straight from the memory that holds it); ``sent`` is called once the answer is
+    written or the write failed (the chunks' memory may be reused from then on).
     """
 
     status: int
@@ -52,6 +53,7 @@ class Response:
     content_type: str = "application/json"
     headers: Mapping[str, str] = field(default_factory=dict)
     chunks: tuple[memoryview, ...] = ()
+    sent: Callable[[], None] | None = None
 
 
 class BadRequest(ValueError):
@@ -158,6 +160,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(json_response({"error": verdict.value}, status, headers))
 
     def _send(self, response: Response) -> None:
+        try:
+            self._write(response)
+        finally:
+            if response.sent is not None:
+                response.sent()
+
+    def _write(self, response: Response) -> None:
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         length = len(response.body) + sum(c.nbytes for c in response.chunks)
