@@ -7,17 +7,21 @@ Side by side in one run, per model size (Qwen2-shaped state dicts, random init):
 2. ``none`` / ``bf16`` / ``fp8``: ``WeightServer.publish`` (snapshot + compression) ->
    ``WeightClient.fetch_latest`` (streamed into tensors + decompression) -> copy into the
    receiver's parameters (what ``HFEngine.load_weights`` does), the full publish -> usable path;
-3. colocated in-process reload (``--engine hf``, sizes >= 50M params): ``HFEngine.load_weights``
-   from the trainer's state dict beside one ``memcpy`` (a flat ``copy_``) of the same bytes.
+3. colocated in-process reload (``--engines hf,vllm``, a 66M-parameter model): each engine's
+   ``load_weights`` from the trainer's parameters beside one ``memcpy`` (a flat ``copy_``) of
+   the same bytes.
 
-Modes alternate within each repeat (first round is a warm-up, not counted); medians reported.
+Modes alternate within each repeat (the first two rounds warm up, not counted; the largest
+size runs once); medians reported.
 Writes bench/results/weightsync_bench.{json,png}.
 Usage: .venv/bin/python -m bench.weightsync_bench [--sizes 62M,250M,500M] [--repeat 3]
+       [--engines hf,vllm]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -67,23 +71,23 @@ def random_state(size: str) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = Qwen2ForCausalLM(qwen2_config(size))  # type: ignore[no-untyped-call]
     generator = torch.Generator().manual_seed(0)
-    return {
+    return {  # named_parameters: the tied lm_head once, as the trainer publishes it
         name: torch.randn(t.shape, generator=generator).mul_(0.02)
-        for name, t in model.state_dict().items()
+        for name, t in model.named_parameters()
     }
 
 
-def loopback_floor(nbytes: int) -> float:
-    """Seconds to move ``nbytes`` over a loopback socket into a pre-faulted buffer."""
-    source = bytearray(nbytes)
-    sink = bytearray(nbytes)
+def loopback_floor(nbytes: int, chunk: int = 64 << 20) -> float:
+    """Seconds to move ``nbytes`` over a loopback socket (64 MB pre-faulted buffers each side)."""
+    source = bytearray(min(chunk, nbytes))
+    sink = bytearray(min(chunk, nbytes))
     listener = socket.create_server(("127.0.0.1", 0))
 
     def receive() -> None:
         conn, _ = listener.accept()
         view, got = memoryview(sink), 0
         while got < nbytes:
-            got += conn.recv_into(view[got:])
+            got += conn.recv_into(view[: min(len(view), nbytes - got)])
         conn.sendall(b"k")
         conn.close()
 
@@ -91,7 +95,11 @@ def loopback_floor(nbytes: int) -> float:
     receiver.start()
     client = socket.create_connection(listener.getsockname())
     start = time.perf_counter()
-    client.sendall(source)
+    sent = 0
+    while sent < nbytes:
+        piece = memoryview(source)[: min(len(source), nbytes - sent)]
+        client.sendall(piece)
+        sent += len(piece)
     client.recv(1)
     elapsed = time.perf_counter() - start
     receiver.join()
@@ -128,6 +136,35 @@ def sync_once(
     }
 
 
+def _alternate(
+    state: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    raw_bytes: int,
+    repeat: int,
+    runs: dict[str, list[dict[str, float]]],
+    size: str,
+) -> None:
+    """Rounds of floor, none, bf16, fp8 side by side; the first two warm up (both publish pools
+    and the receive buffers mapped) and are not counted."""
+    servers = {c: WeightServer(TOKEN, compression=c).start() for c in COMPRESSIONS}  # type: ignore[arg-type]
+    clients = {c: WeightClient(servers[c].url, TOKEN, reuse_buffers=True) for c in COMPRESSIONS}
+    warmup = 2
+    try:
+        for version in range(repeat + warmup):
+            samples = {"floor": {"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6}}
+            for compression in COMPRESSIONS:
+                samples[compression] = sync_once(
+                    servers[compression], clients[compression], version, state, target
+                )
+            if version >= warmup:
+                for mode, sample in samples.items():
+                    runs[mode].append(sample)
+            print(f"  {size} round {version + 1}/{repeat + warmup}", flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+
+
 def measure_size(size: str, repeat: int) -> dict[str, Any]:
     state = random_state(size)
     params = sum(t.numel() for t in state.values())
@@ -135,33 +172,33 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     # Over 1 GB per copy, load into the source itself: one copy fewer alive (same memcpy work).
     big = raw_bytes > 1 << 30
     target = state if big else {n: torch.empty_like(t) for n, t in state.items()}
-    servers = {c: WeightServer(TOKEN, compression=c).start() for c in COMPRESSIONS}  # type: ignore[arg-type]
-    clients = {c: WeightClient(servers[c].url, TOKEN) for c in COMPRESSIONS}
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in ("floor", *COMPRESSIONS)}
-    rounds = 1 if big else repeat + 1
-    try:
-        for version in range(rounds):
-            floor = {"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6}
-            samples = {"floor": floor}
-            for compression in COMPRESSIONS:
-                samples[compression] = sync_once(
-                    servers[compression], clients[compression], version, state, target
-                )
-            if version > 0 or big:
-                for mode, sample in samples.items():
-                    runs[mode].append(sample)
-            print(f"  {size} round {version + 1}/{rounds}", flush=True)
-    finally:
-        for server in servers.values():
-            server.close()
+    if big:  # once, one server at a time: at most ~4 model-sized copies alive
+        runs["floor"].append({"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6})
+        for compression in COMPRESSIONS:
+            with WeightServer(TOKEN, compression=compression) as server:  # type: ignore[arg-type]
+                client = WeightClient(server.url, TOKEN, reuse_buffers=True)
+                runs[compression].append(sync_once(server, client, 0, state, target))
+                del client
+            gc.collect()
+            print(f"  {size} {compression} done", flush=True)
+    else:
+        _alternate(state, target, raw_bytes, repeat, runs, size)
     rows = {
         mode: {key: statistics.median(s[key] for s in samples) for key in samples[0]}
         for mode, samples in runs.items()
     }
     floor_s = rows["floor"]["total_s"]
+    loopback_mb_s = rows["floor"]["wire_mb"] / floor_s
     for row in rows.values():
         row["vs_floor"] = row["total_s"] / floor_s
         row["vs_none"] = row["total_s"] / rows["none"]["total_s"]
+        row["cpu_s"] = row["total_s"] - row["wire_mb"] / loopback_mb_s
+    for mode in ("bf16", "fp8"):
+        # the link speed below which compression pays: MB saved per extra CPU second
+        extra_cpu = rows[mode]["cpu_s"] - rows["none"]["cpu_s"]
+        saved_mb = rows["none"]["wire_mb"] - rows[mode]["wire_mb"]
+        rows[mode]["pays_below_mb_s"] = saved_mb / extra_cpu if extra_cpu > 0 else None
     return {
         "size": size,
         "params": params,
@@ -171,43 +208,50 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     }
 
 
-def measure_colocated(size: str, repeat: int) -> dict[str, Any]:
-    """``HFEngine.load_weights`` from a trainer state dict vs a flat memcpy of the same bytes."""
+def measure_colocated(engines: list[str], repeat: int, workdir: Path) -> list[dict[str, Any]]:
+    """Each engine's in-process ``load_weights`` from a trainer's parameters vs a flat memcpy
+    of the same bytes, alternating; a 66M-parameter Qwen2 (hidden 768, 8 layers)."""
     from transformers import Qwen2ForCausalLM
 
     from rljob_workers.engine import make_engine
+    from rljob_workers.tinymodel import build_tiny_model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(qwen2_config(size)).save_pretrained(tmp)  # type: ignore[no-untyped-call]
-        engine = make_engine("hf", tmp, seed=0)
-    trainer = Qwen2ForCausalLM(qwen2_config(size))  # type: ignore[no-untyped-call]
+    model_dir = build_tiny_model(
+        workdir / "colocated", hidden_size=768, num_layers=8, intermediate_size=3072
+    )
+    trainer = Qwen2ForCausalLM.from_pretrained(model_dir)
     state = {n: p.detach() for n, p in trainer.named_parameters()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     source, sink = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     source.fill_(1)
     sink.fill_(0)
-    reload_s, memcpy_s = [], []
-    for version in range(1, repeat + 2):
-        start = time.perf_counter()
-        engine.load_weights(version, state)
-        middle = time.perf_counter()
-        sink.copy_(source)
-        end = time.perf_counter()
-        if version > 1:
-            reload_s.append(middle - start)
-            memcpy_s.append(end - middle)
-    engine.close()
-    reload, memcpy = statistics.median(reload_s), statistics.median(memcpy_s)
-    return {
-        "size": size,
-        "engine": "hf",
-        "params": sum(t.numel() for t in state.values()),
-        "mb": nbytes / 1e6,
-        "reload_s": reload,
-        "memcpy_s": memcpy,
-        "vs_memcpy": reload / memcpy,
-    }
+    rows = []
+    for kind in engines:
+        engine = make_engine(kind, model_dir, seed=0)
+        reload_s, memcpy_s = [], []
+        for version in range(1, repeat + 2):
+            start = time.perf_counter()
+            engine.load_weights(version, state)
+            middle = time.perf_counter()
+            sink.copy_(source)
+            end = time.perf_counter()
+            if version > 1:
+                reload_s.append(middle - start)
+                memcpy_s.append(end - middle)
+        engine.close()
+        reload, memcpy = statistics.median(reload_s), statistics.median(memcpy_s)
+        rows.append(
+            {
+                "engine": kind,
+                "params": sum(t.numel() for t in state.values()),
+                "mb": nbytes / 1e6,
+                "reload_s": reload,
+                "memcpy_s": memcpy,
+                "vs_memcpy": reload / memcpy,
+            }
+        )
+        print(f"  colocated {kind}: done", flush=True)
+    return rows
 
 
 def load_average() -> list[float]:
@@ -231,9 +275,15 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{entry['size']:>5} {mode:>5} {row['wire_mb']:>8.1f} {phases} "
                 f"{row['total_s']:>8.3f} {row['vs_floor']:>8.2f}x {row['vs_none']:>7.2f}x"
             )
+    for entry in result["sync"]:
+        for mode in ("bf16", "fp8"):
+            below = entry["rows"][mode]["pays_below_mb_s"]
+            verdict = "always" if below is None else f"on links slower than {below:.0f} MB/s"
+            print(f"{entry['size']} {mode} beats none {verdict}")
     for row in result["colocated"]:
         print(
-            f"colocated {row['engine']} reload {row['size']} ({row['mb']:.0f} MB): "
+            f"colocated {row['engine']} reload ({row['params'] / 1e6:.0f}M params, "
+            f"{row['mb']:.0f} MB): "
             f"{row['reload_s'] * 1000:.1f} ms vs memcpy {row['memcpy_s'] * 1000:.1f} ms "
             f"({row['vs_memcpy']:.2f}x)"
         )
@@ -257,7 +307,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[0].legend()
     colocated = result["colocated"]
     if colocated:
-        labels = [f"{r['engine']} {r['size']}" for r in colocated]
+        labels = [f"{r['engine']} {r['params'] / 1e6:.0f}M" for r in colocated]
         axes[1].bar(
             [x - 0.2 for x in range(len(labels))],
             [r["reload_s"] for r in colocated],
@@ -282,16 +332,16 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="62M,250M,500M")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--colocated-sizes", default="62M")
+    parser.add_argument("--engines", default="hf,vllm", help="colocated reload ('' skips)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     load_before = load_average()
     sync = []
     for size in args.sizes.split(","):
         sync.append(measure_size(size, args.repeat))
-    colocated = [
-        measure_colocated(size, args.repeat) for size in args.colocated_sizes.split(",") if size
-    ]
+    engines = [e for e in args.engines.split(",") if e]
+    with tempfile.TemporaryDirectory() as tmp:
+        colocated = measure_colocated(engines, args.repeat, Path(tmp)) if engines else []
     result = {
         "command": " ".join(["python -m bench.weightsync_bench", *sys.argv[1:]]),
         "load_before": load_before,
