@@ -98,34 +98,47 @@ def measure_floor(bodies: list[bytes]) -> float:
     return elapsed
 
 
-def _rollout(url: str, part: list[Trajectory], batch: int, wire: str, go: Any, sent: Any) -> None:
-    """One rollout process: connect, wait for the start signal, deliver ``part``."""
+def _rollout(
+    url: str,
+    count: int,
+    seed: int,
+    part: int,
+    parts: int,
+    batch: int,
+    wire: str,
+    go: Any,
+    sent: Any,
+) -> None:
+    """One rollout process: build its share of the trajectories (in this process, as a rollout
+    holds what it generated), connect, wait for the start signal, deliver."""
+    mine = make_trajectories(count, seed)[part::parts]
     client = ExperienceClient(url, TOKEN, batch_size=batch, wire_format=wire)
     client.control(0)
+    sent.put("ready")
     go.wait()
-    acked = client.send(part, timeout_s=300)
+    acked = client.send(mine, timeout_s=300)
     client.close()
     sent.put((acked, client.stats.bytes_sent))
 
 
-def measure_stream(
-    trajectories: list[Trajectory], batch: int, wire: str, clients: int
-) -> tuple[float, int]:
-    """Seconds for ``clients`` rollout processes to deliver ``trajectories`` into the trainer's
-    buffer (server in this process, as in the trainer); bytes sent."""
-    context = mp.get_context("fork")
+def measure_stream(count: int, seed: int, batch: int, wire: str, clients: int) -> tuple[float, int]:
+    """Seconds for ``clients`` rollout processes to deliver ``count`` trajectories into the
+    trainer's buffer (server in this process, as in the trainer); bytes sent."""
+    context = mp.get_context("spawn")
     go, sent = context.Event(), context.Queue()
-    buffer = ExperienceBuffer(capacity=len(trajectories) + 1)
+    buffer = ExperienceBuffer(capacity=count + 1)
     with ExperienceServer(TOKEN, buffer, max_body_bytes=256 << 20) as server:
         processes = [
             context.Process(
-                target=_rollout, args=(server.url, trajectories[i::clients], batch, wire, go, sent)
+                target=_rollout,
+                args=(server.url, count, seed, i, clients, batch, wire, go, sent),
             )
             for i in range(clients)
         ]
         for process in processes:
             process.start()
-        time.sleep(0.5)
+        for _ in processes:
+            sent.get(timeout=300)
         start = time.perf_counter()
         go.set()
         answers = [sent.get(timeout=300) for _ in processes]
@@ -133,7 +146,7 @@ def measure_stream(
         for process in processes:
             process.join()
     acked = sum(a for a, _ in answers)
-    if acked != len(trajectories) or len(buffer) != len(trajectories):
+    if acked != count or len(buffer) != count:
         raise RuntimeError(f"{wire}: {acked} acked, {len(buffer)} buffered")
     return elapsed, sum(b for _, b in answers)
 
@@ -159,7 +172,7 @@ def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
             if mode == "floor":
                 samples[mode].append((measure_floor(bodies), sum(len(b) for b in bodies)))
             else:
-                samples[mode].append(measure_stream(trajectories, batch, mode, clients))
+                samples[mode].append(measure_stream(count, r, batch, mode, clients))
         print(f"repeat {r + 1}/{repeat} done", flush=True)
     rows = {}
     for mode, runs in samples.items():
