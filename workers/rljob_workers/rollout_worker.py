@@ -91,7 +91,9 @@ class RolloutWorker:
         token = env.token or token_from_env()
         base = f"http://{config.endpoints.trainer_host}"
         self.experience = ExperienceClient(f"{base}:{config.endpoints.experience_port}", token)
-        self.weights = WeightClient(f"{base}:{config.endpoints.weights_port}", token)
+        self.weights = WeightClient(
+            f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True
+        )
         self.task: TaskData = load_task_data(config.task)
         self.shard = shard_prompts(len(self.task.prompts), env.replica, env.world_size)
         boot_seed = secrets.randbits(31)
