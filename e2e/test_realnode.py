@@ -1,0 +1,326 @@
+"""A real node (containerd + kubelet in a network namespace, images built here): aspects under test
+
+- ``down`` after the owner of ``up --real-node`` was SIGKILLed leaves no process, mount, network
+  namespace, veth, cgroup behind and restores the global sysctls the kubelet rewrote;
+- the operator installed by ``helm install`` runs as a pod of the locally built image under the
+  chart's ServiceAccount, with leader election on; ``/healthz`` and ``/metrics`` answer through
+  the apiserver's proxy (pod and Service);
+- ``examples/grpo-colocated.yaml`` (model on a volume, CPU requests, pinned to the real node) runs
+  as real actor pods that rendezvous by the headless Service's DNS name, report progress with
+  their ServiceAccount token and reach Succeeded with the reward above its baseline;
+  ``kubectl get rlj`` shows step and phase; ``kubectl logs`` and ``kubectl exec`` work on a worker;
+- a job whose image is not on the node says so in its status (condition + Event), not a silent
+  Pending.
+
+Needs root and the node set-up of ``scripts/setup.sh``; skips naming what is missing otherwise, or
+with ``RLJOB_REAL_NODE=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e import realnode
+from e2e.cluster import REPO, LocalCluster, binary, real_node_missing
+from e2e.helpers import get_json, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.realnode]
+CHART = REPO / "helm" / "rljob-operator"
+OPERATOR_IMAGE = ("ghcr.io/rljob/rljob-operator", "0.1.0")
+ON_REAL_NODE = {
+    "nodeSelector": {realnode.NODE_LABEL: "true"},
+    "tolerations": [{"key": realnode.NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def _skip_reason() -> str | None:
+    if os.environ.get("RLJOB_REAL_NODE") == "0":
+        return "RLJOB_REAL_NODE=0"
+    return real_node_missing()
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A control plane with one real node (and one kwok GPU node beside it)."""
+    why = _skip_reason()
+    if why:
+        pytest.skip(f"real node unavailable: {why}")
+    local = LocalCluster(
+        Path(tmp_path_factory.mktemp("realcluster")),
+        gpu_nodes=1,
+        real_node=True,
+        tie_to_parent=True,
+    )
+    started = time.monotonic()
+    local.up(timeout=300)
+    print(f"real-node cluster up in {time.monotonic() - started:.0f}s")
+    try:
+        yield local
+    finally:
+        local.down()
+
+
+def helm(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def chart_operator(real_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The chart installed with the locally built operator image on the real node; returns the
+    release namespace."""
+    values = {
+        "image": {
+            "repository": OPERATOR_IMAGE[0],
+            "tag": OPERATOR_IMAGE[1],
+            "pullPolicy": "Never",
+        },
+        "replicaCount": 2,
+        "operator": {"scaleCooldownSeconds": 3},
+        **ON_REAL_NODE,
+    }
+    path = Path(tmp_path_factory.mktemp("chart")) / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    helm(
+        real_cluster, "install", "rljob", str(CHART), "-n", "rljob-system", "--create-namespace",
+        "-f", str(path), "--wait", "--timeout=300s",
+    )  # fmt: skip
+    return "rljob-system"
+
+
+def _pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    return get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"]  # type: ignore[no-any-return]
+
+
+def _raw(cluster: LocalCluster, path: str) -> str:
+    return cluster.kubectl("get", "--raw", path).stdout
+
+
+# --------------------------------------------------------------------------- node lifecycle
+
+
+def test_real_node_down_after_owner_sigkill_leaves_nothing_behind(tmp_path: Path) -> None:
+    why = _skip_reason()
+    if why:
+        pytest.skip(f"real node unavailable: {why}")
+    sysctls_before = realnode.read_sysctls()
+    workdir = tmp_path / "c"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER.format(workdir=str(workdir))],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert owner.stdout is not None
+    line = owner.stdout.readline()
+    assert line.startswith("READY"), line + owner.stdout.read()
+    cluster = LocalCluster(workdir)
+    paths = realnode.NodePaths(workdir)
+    # the node really ran a pod: something to clean up (container, shim, mounts, pod netns)
+    cluster.kubectl("run", "sleeper", "--image=" + realnode.SANDBOX_IMAGE, "--restart=Never",
+                    "--overrides=" + json.dumps({"spec": ON_REAL_NODE}))  # fmt: skip
+    wait_for(
+        lambda: get_json(cluster, "pod", "sleeper")["status"].get("phase") == "Running",
+        120,
+        "a pod running on the real node",
+    )
+    assert realnode.node_pids(paths)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    cluster.down()
+    assert realnode.leftovers(paths) == []
+    assert realnode.read_sysctls() == sysctls_before
+    assert not list(Path("/run/netns").glob("cni-*"))
+
+
+_OWNER = """
+import time
+from pathlib import Path
+from e2e.cluster import LocalCluster
+c = LocalCluster(Path({workdir!r}), gpu_nodes=1, real_node=True, tie_to_parent=True)
+c.up(timeout=300)
+print("READY", flush=True)
+time.sleep(3600)
+"""
+
+
+# --------------------------------------------------------------------------- operator by helm
+
+
+def test_helm_operator_runs_as_pod_with_leader_election_and_answers_probes(
+    real_cluster: LocalCluster, chart_operator: str
+) -> None:
+    ns = chart_operator
+    pods = _pods(real_cluster, ns, "app.kubernetes.io/name=rljob-operator")
+    assert len(pods) == 2
+    assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
+    assert all(p["spec"]["serviceAccountName"] == "rljob-rljob-operator" for p in pods)
+    lease = wait_for(
+        lambda: get_json(real_cluster, "lease", "rljob-operator", "-n", ns)["spec"].get(
+            "holderIdentity"
+        ),
+        120,
+        "a leader",
+    )
+    assert lease in {p["metadata"]["name"] for p in pods}
+    pod = pods[0]["metadata"]["name"]
+    assert "ok" in _raw(real_cluster, f"/api/v1/namespaces/{ns}/pods/{pod}:8080/proxy/healthz")
+    services = get_json(real_cluster, "services", "-n", ns)["items"]
+    metrics_svc = next(s for s in services if any(p["port"] == 9090 for p in s["spec"]["ports"]))
+    name = metrics_svc["metadata"]["name"]
+    metrics = _raw(real_cluster, f"/api/v1/namespaces/{ns}/services/{name}:9090/proxy/metrics")
+    assert "rljob_operator_leader" in metrics
+
+
+# --------------------------------------------------------------------------- a job on real pods
+
+
+def _job_namespace(cluster: LocalCluster, root: Path) -> str:
+    """A namespace with the tiny model on a volume and a checkpoint volume (hostPath PVs)."""
+    from rljob_workers.tinymodel import build_tiny_model
+
+    ns = f"rl-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    model_dir, ckpt_dir = root / f"{ns}-models", root / f"{ns}-checkpoints"
+    build_tiny_model(model_dir / "tiny-qwen2")
+    ckpt_dir.mkdir(parents=True)
+    ckpt_dir.chmod(0o777)
+    docs = []
+    for claim, path, mode in (
+        ("models", model_dir, "ReadOnlyMany"),
+        ("ckpt", ckpt_dir, "ReadWriteMany"),
+    ):
+        pv = f"{ns}-{claim}"
+        docs += [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": pv},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": [mode],
+                    "hostPath": {"path": str(path), "type": "Directory"},
+                    "storageClassName": "",
+                    "claimRef": {"namespace": ns, "name": claim},
+                    "persistentVolumeReclaimPolicy": "Retain",
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim, "namespace": ns},
+                "spec": {
+                    "accessModes": [mode],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                    "storageClassName": "",
+                    "volumeName": pv,
+                },
+            },
+        ]
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    )
+    return ns
+
+
+def real_job(example: str, *, steps: int, image: str | None = None) -> dict[str, Any]:
+    """An example manifest made to run on the real node: CPU, model on the volume, pinned there."""
+    job: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
+    spec = job["spec"]
+    spec["totalSteps"] = steps
+    spec["model"]["volume"] = {"claimName": "models"}
+    spec["checkpoint"] = {**spec.get("checkpoint", {}), "claimName": "ckpt", "everySteps": 5}
+    spec["imagePullPolicy"] = "Never"
+    if image:
+        spec["image"] = image
+    cpu = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "6Gi"}}
+    for role in ("trainer", "rollout"):
+        if role in spec or role == "trainer":
+            spec.setdefault(role, {})["gpusPerReplica"] = 0
+            spec[role]["resources"] = cpu
+    spec["scheduling"] = {**spec.get("scheduling", {}), **ON_REAL_NODE}
+    return job
+
+
+def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    return get_json(cluster, "rlj", name, "-n", ns).get("status", {})  # type: ignore[no-any-return]
+
+
+def test_grpo_colocated_runs_as_real_pods_to_succeeded(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    job = real_job("grpo-colocated", steps=30)
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    name = job["metadata"]["name"]
+
+    def running_step() -> int | None:
+        st = _status(real_cluster, ns, name)
+        return st.get("step") if st.get("step") else None
+
+    wait_for(running_step, 900, "the first reported step (pods pulled, started, rendezvoused)")
+    pods = _pods(real_cluster, ns, f"rljob.io/job={name}")
+    assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
+    pod = pods[0]["metadata"]["name"]
+    logs = real_cluster.kubectl("logs", "-n", ns, pod).stdout
+    assert logs.strip(), "kubectl logs returned nothing"
+    probe = "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"
+    who = real_cluster.kubectl("exec", "-n", ns, pod, "--", "python", "-c", probe).stdout
+    assert who.split()[0]
+    table = real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout
+    assert "STEP" in table.upper() or "step" in table
+    wait_for(
+        lambda: _status(real_cluster, ns, name).get("phase") in ("Succeeded", "Failed"),
+        1800,
+        "the job to finish",
+    )
+    st = _status(real_cluster, ns, name)
+    assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
+    assert st["step"] == 30
+    print(real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout)
+
+
+# --------------------------------------------------------------------------- missing image
+
+
+def test_missing_image_is_a_condition_naming_the_image(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    missing = "rljob.local/not-built:0"
+    job = real_job("grpo-colocated", steps=5, image=missing)
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    name = job["metadata"]["name"]
+
+    def image_condition() -> dict[str, Any] | None:
+        for c in _status(real_cluster, ns, name).get("conditions", []):
+            if c.get("reason") in ("ErrImageNeverPull", "ImagePullBackOff", "ErrImagePull"):
+                return c  # type: ignore[no-any-return]
+        return None
+
+    cond = wait_for(image_condition, 180, "a condition about the missing image")
+    assert missing in cond["message"]  # type: ignore[index]
+    events = get_json(real_cluster, "events", "-n", ns)["items"]
+    assert any(
+        missing in e.get("message", "") and e["involvedObject"]["kind"] == "RLJob" for e in events
+    )
