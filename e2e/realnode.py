@@ -33,9 +33,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CLONE_NEWNET = 0x40000000
 NODE_NAME = "rljob-node"
@@ -503,16 +504,109 @@ def forward_main(argv: list[str]) -> int:
     return 0
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+# ------------------------------------------------------------------------------- jobs on the node
+
+ON_REAL_NODE: dict[str, Any] = {
+    "nodeSelector": {NODE_LABEL: "true"},
+    "tolerations": [{"key": NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def volume_manifests(namespace: str, model_dir: Path, checkpoint_dir: Path) -> list[dict[str, Any]]:
+    """hostPath PersistentVolumes bound to the claims ``models`` (read-only, the model) and
+    ``ckpt`` (checkpoints) in ``namespace``."""
+    docs: list[dict[str, Any]] = []
+    for claim, path, mode in (
+        ("models", model_dir, "ReadOnlyMany"),
+        ("ckpt", checkpoint_dir, "ReadWriteMany"),
+    ):
+        pv = f"{namespace}-{claim}"
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": pv, "labels": {"rljob.io/demo-namespace": namespace}},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": [mode],
+                    "hostPath": {"path": str(path), "type": "Directory"},
+                    "storageClassName": "",
+                    "claimRef": {"namespace": namespace, "name": claim},
+                    "persistentVolumeReclaimPolicy": "Retain",
+                },
+            }
+        )
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim, "namespace": namespace},
+                "spec": {
+                    "accessModes": [mode],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                    "storageClassName": "",
+                    "volumeName": pv,
+                },
+            }
+        )
+    return docs
+
+
+def job_for_real_node(
+    job: dict[str, Any], *, steps: int | None = None, image: str | None = None
+) -> dict[str, Any]:
+    """An example manifest made to run on the real node: CPU pods (no GPU), the model on the
+    ``models`` claim, checkpoints on ``ckpt``, the locally imported image (never pulled), and
+    the node chosen explicitly (selector + toleration)."""
+    job = json.loads(json.dumps(job))
+    spec = job["spec"]
+    if steps is not None:
+        spec["totalSteps"] = steps
+    spec["model"]["volume"] = {"claimName": "models"}
+    spec["checkpoint"] = {**spec.get("checkpoint", {}), "claimName": "ckpt", "everySteps": 5}
+    spec["imagePullPolicy"] = "Never"
+    if image:
+        spec["image"] = image
+    resources = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "6Gi"}}
+    for role in ("trainer", "rollout"):
+        if role in spec or role == "trainer":
+            spec.setdefault(role, {})["gpusPerReplica"] = 0
+            spec[role]["resources"] = resources
+    spec["scheduling"] = {**spec.get("scheduling", {}), **ON_REAL_NODE}
+    return job
+
+
+def prepare_namespace_main(argv: list[str]) -> int:
+    """``python e2e/realnode.py prepare NAMESPACE DIR``: print (YAML) the namespace, the tiny
+    model and checkpoint volumes under DIR; builds the model there first."""
+    import yaml
+
+    from rljob_workers.tinymodel import build_tiny_model
+
+    namespace, root = argv[0], Path(argv[1]).resolve()
+    model_dir, ckpt_dir = root / "models", root / "checkpoints"
+    if not (model_dir / "tiny-qwen2" / "config.json").exists():
+        build_tiny_model(model_dir / "tiny-qwen2")
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir.chmod(0o777)
+    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    docs = [ns, *volume_manifests(namespace, model_dir, ckpt_dir)]
+    print(yaml.safe_dump_all(docs), end="")
+    return 0
+
+
+def job_main(argv: list[str]) -> int:
+    """``python e2e/realnode.py job EXAMPLE.yaml [STEPS]``: print the example made for the node."""
+    import yaml
+
+    job = yaml.safe_load(Path(argv[0]).read_text())
+    steps = int(argv[1]) if len(argv) > 1 else None
+    print(yaml.safe_dump(job_for_real_node(job, steps=steps)), end="")
+    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "forward":
-        sys.exit(forward_main(sys.argv[2:]))
+    commands = {"forward": forward_main, "prepare": prepare_namespace_main, "job": job_main}
+    if len(sys.argv) > 1 and sys.argv[1] in commands:
+        sys.exit(commands[sys.argv[1]](sys.argv[2:]))
     print(__doc__)

@@ -39,10 +39,7 @@ from e2e.helpers import get_json, wait_for
 pytestmark = [pytest.mark.cluster, pytest.mark.realnode]
 CHART = REPO / "helm" / "rljob-operator"
 OPERATOR_IMAGE = ("ghcr.io/rljob/rljob-operator", "0.1.0")
-ON_REAL_NODE = {
-    "nodeSelector": {realnode.NODE_LABEL: "true"},
-    "tolerations": [{"key": realnode.NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
+ON_REAL_NODE = realnode.ON_REAL_NODE
 
 
 def _skip_reason() -> str | None:
@@ -205,38 +202,7 @@ def _job_namespace(cluster: LocalCluster, root: Path) -> str:
     build_tiny_model(model_dir / "tiny-qwen2")
     ckpt_dir.mkdir(parents=True)
     ckpt_dir.chmod(0o777)
-    docs = []
-    for claim, path, mode in (
-        ("models", model_dir, "ReadOnlyMany"),
-        ("ckpt", ckpt_dir, "ReadWriteMany"),
-    ):
-        pv = f"{ns}-{claim}"
-        docs += [
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolume",
-                "metadata": {"name": pv},
-                "spec": {
-                    "capacity": {"storage": "1Gi"},
-                    "accessModes": [mode],
-                    "hostPath": {"path": str(path), "type": "Directory"},
-                    "storageClassName": "",
-                    "claimRef": {"namespace": ns, "name": claim},
-                    "persistentVolumeReclaimPolicy": "Retain",
-                },
-            },
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": claim, "namespace": ns},
-                "spec": {
-                    "accessModes": [mode],
-                    "resources": {"requests": {"storage": "1Gi"}},
-                    "storageClassName": "",
-                    "volumeName": pv,
-                },
-            },
-        ]
+    docs = realnode.volume_manifests(ns, model_dir, ckpt_dir)
     cluster.kubectl(
         "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
     )
@@ -244,22 +210,8 @@ def _job_namespace(cluster: LocalCluster, root: Path) -> str:
 
 
 def real_job(example: str, *, steps: int, image: str | None = None) -> dict[str, Any]:
-    """An example manifest made to run on the real node: CPU, model on the volume, pinned there."""
-    job: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
-    spec = job["spec"]
-    spec["totalSteps"] = steps
-    spec["model"]["volume"] = {"claimName": "models"}
-    spec["checkpoint"] = {**spec.get("checkpoint", {}), "claimName": "ckpt", "everySteps": 5}
-    spec["imagePullPolicy"] = "Never"
-    if image:
-        spec["image"] = image
-    cpu = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "6Gi"}}
-    for role in ("trainer", "rollout"):
-        if role in spec or role == "trainer":
-            spec.setdefault(role, {})["gpusPerReplica"] = 0
-            spec[role]["resources"] = cpu
-    spec["scheduling"] = {**spec.get("scheduling", {}), **ON_REAL_NODE}
-    return job
+    job = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
+    return realnode.job_for_real_node(job, steps=steps, image=image)
 
 
 def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
