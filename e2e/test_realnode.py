@@ -276,3 +276,108 @@ def test_missing_image_is_a_condition_naming_the_image(
     assert any(
         missing in e.get("message", "") and e["involvedObject"]["kind"] == "RLJob" for e in events
     )
+
+
+# ------------------------------------------------------------------ disaggregated, failover
+
+
+def _worker_pid(pod: str) -> int | None:
+    """Host pid of the worker process of ``pod`` (the container's python, found by its env)."""
+    want = f"POD_NAME={pod}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"rljob_workers.main" not in (entry / "cmdline").read_bytes():
+                continue
+            if want in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def _uids(cluster: LocalCluster, ns: str, selector: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in _pods(cluster, ns, selector)}
+
+
+def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    job = real_job("dapo-disaggregated", steps=60)
+    # two cores: one rollout pod (no elastic growth), two trainer pods (gloo DDP between pods)
+    job["spec"]["rollout"].update({"replicas": 1, "minReplicas": 1, "maxReplicas": 1})
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    name = job["metadata"]["name"]
+    rollouts, trainers = (
+        f"rljob.io/job={name},rljob.io/role=rollout",
+        f"rljob.io/job={name},rljob.io/role=trainer",
+    )
+
+    def step_at_least(n: int) -> bool:
+        return int(_status(real_cluster, ns, name).get("step") or 0) >= n
+
+    wait_for(
+        lambda: step_at_least(3), 900, "three steps (experience and weights over the pod network)"
+    )
+    st = _status(real_cluster, ns, name)
+    assert st.get("policyLagMs") is not None, st
+
+    # a rollout process dies (not the pod object): that pod alone is replaced
+    trainer_uids = _uids(real_cluster, ns, trainers)
+    rollout_pod = next(iter(_uids(real_cluster, ns, rollouts)))
+    old_rollout_uid = _uids(real_cluster, ns, rollouts)[rollout_pod]
+    pid = _worker_pid(rollout_pod)
+    assert pid, f"no worker process of {rollout_pod} on the host"
+    os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: _uids(real_cluster, ns, rollouts).get(rollout_pod) not in (None, old_rollout_uid),
+        300,
+        "the rollout pod replaced",
+    )
+    assert _uids(real_cluster, ns, trainers) == trainer_uids
+    before = int(_status(real_cluster, ns, name).get("step") or 0)
+    wait_for(lambda: step_at_least(before + 2), 600, "training to continue after the rollout kill")
+
+    # a trainer process dies: the trainer group restarts from the checkpoint on the volume
+    wait_for(lambda: _status(real_cluster, ns, name).get("lastCheckpoint"), 600, "a checkpoint")
+    ckpt_step = int(_status(real_cluster, ns, name)["lastCheckpoint"].get("step") or 0)
+    trainer_pod = sorted(trainer_uids)[0]
+    pid = _worker_pid(trainer_pod)
+    assert pid, f"no worker process of {trainer_pod} on the host"
+    os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: int((_status(real_cluster, ns, name).get("restarts") or {}).get("trainer", 0)) >= 1,
+        300,
+        "the trainer restart counted",
+    )
+    wait_for(
+        lambda: set(_uids(real_cluster, ns, trainers).values()).isdisjoint(trainer_uids),
+        300,
+        "new trainer pods",
+    )
+    wait_for(lambda: step_at_least(ckpt_step + 1), 600, "steps after the trainer restart")
+    st = _status(real_cluster, ns, name)
+    assert st.get("resumeFrom"), st
+
+    # suspend: pods gone, checkpoint kept; resume continues from it
+    real_cluster.kubectl(
+        "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+    )
+    wait_for(
+        lambda: not _pods(real_cluster, ns, f"rljob.io/job={name}"), 300, "pods gone on suspend"
+    )
+    kept = _status(real_cluster, ns, name).get("lastCheckpoint")
+    assert kept, "the checkpoint is kept while suspended"
+    real_cluster.kubectl(
+        "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    wait_for(lambda: step_at_least(int(kept.get("step") or 0) + 1), 900, "steps after resume")
+    wait_for(
+        lambda: _status(real_cluster, ns, name).get("phase") in ("Succeeded", "Failed"),
+        1800,
+        "the job to finish",
+    )
+    st = _status(real_cluster, ns, name)
+    assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
