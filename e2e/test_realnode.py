@@ -108,8 +108,10 @@ def _pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str
     return get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"]  # type: ignore[no-any-return]
 
 
-def _raw(cluster: LocalCluster, path: str) -> str:
-    return cluster.kubectl("get", "--raw", path).stdout
+def _raw_ok(cluster: LocalCluster, path: str) -> str | None:
+    """The body of a GET through the apiserver (its proxy reaches pods over the veth), or None."""
+    out = cluster.kubectl("get", "--raw", path, check=False)
+    return out.stdout if out.returncode == 0 else None
 
 
 # --------------------------------------------------------------------------- node lifecycle
@@ -172,21 +174,24 @@ def test_helm_operator_runs_as_pod_with_leader_election_and_answers_probes(
     assert len(pods) == 2
     assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
     assert all(p["spec"]["serviceAccountName"] == "rljob-rljob-operator" for p in pods)
-    lease = wait_for(
-        lambda: get_json(real_cluster, "lease", "rljob-operator", "-n", ns)["spec"].get(
-            "holderIdentity"
-        ),
-        120,
-        "a leader",
-    )
-    assert lease in {p["metadata"]["name"] for p in pods}
-    pod = pods[0]["metadata"]["name"]
-    assert "ok" in _raw(real_cluster, f"/api/v1/namespaces/{ns}/pods/{pod}:8080/proxy/healthz")
+
+    def holder() -> str | None:
+        out = real_cluster.kubectl(
+            "get", "lease", "rljob-operator", "-n", ns, "-o", "json", check=False
+        )
+        return json.loads(out.stdout)["spec"].get("holderIdentity") if out.returncode == 0 else None
+
+    lease = wait_for(holder, 120, "a leader")
+    assert any(str(lease).startswith(p["metadata"]["name"]) for p in pods), lease
+    for pod in pods:  # the leader answers from kopf, the standby from its own small server
+        path = f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}:8080/proxy/healthz"
+        wait_for(lambda path=path: _raw_ok(real_cluster, path), 120, f"{path} answering")
     services = get_json(real_cluster, "services", "-n", ns)["items"]
     metrics_svc = next(s for s in services if any(p["port"] == 9090 for p in s["spec"]["ports"]))
     name = metrics_svc["metadata"]["name"]
-    metrics = _raw(real_cluster, f"/api/v1/namespaces/{ns}/services/{name}:9090/proxy/metrics")
-    assert "rljob_operator_leader" in metrics
+    path = f"/api/v1/namespaces/{ns}/services/{name}:9090/proxy/metrics"
+    metrics = wait_for(lambda: _raw_ok(real_cluster, path), 120, "metrics through the Service")
+    assert "rljob_operator_leader" in str(metrics)
 
 
 # --------------------------------------------------------------------------- a job on real pods
