@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -224,38 +226,57 @@ def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
     return get_json(cluster, "rlj", name, "-n", ns).get("status", {})  # type: ignore[no-any-return]
 
 
+GRPO_STEPS = 60
+LINE = re.compile(r"^\[(?P<job>[\w-]+)\] step (?P<step>\d+)/\d+  reward (?P<reward>[\d.]+)")
+
+
 def test_grpo_colocated_runs_as_real_pods_to_succeeded(
     real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
-    job = real_job("grpo-colocated", steps=30)
-    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    root = Path(tmp_path_factory.mktemp("volumes"))
+    ns = _job_namespace(real_cluster, root)
+    job = real_job("grpo-colocated", steps=GRPO_STEPS)
+    manifest = root / "job.yaml"
+    manifest.write_text(yaml.safe_dump(job))
     name = job["metadata"]["name"]
-
-    def running_step() -> int | None:
-        st = _status(real_cluster, ns, name)
-        return st.get("step") if st.get("step") else None
-
-    wait_for(running_step, 900, "the first reported step (pods pulled, started, rendezvoused)")
-    pods = _pods(real_cluster, ns, f"rljob.io/job={name}")
-    assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
-    pod = pods[0]["metadata"]["name"]
-    logs = real_cluster.kubectl("logs", "-n", ns, pod).stdout
-    assert logs.strip(), "kubectl logs returned nothing"
-    probe = "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"
-    who = real_cluster.kubectl("exec", "-n", ns, pod, "--", "python", "-c", probe).stdout
-    assert who.split()[0]
-    table = real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout
-    assert "STEP" in table.upper() or "step" in table
-    wait_for(
-        lambda: _status(real_cluster, ns, name).get("phase") in ("Succeeded", "Failed"),
-        1800,
-        "the job to finish",
+    # applied and followed by the CLI, as a user would: `rljob run job.yaml` (no --local)
+    follower = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rljob"), "run", str(manifest), "-n", ns],
+        env=real_cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    try:
+        wait_for(
+            lambda: _status(real_cluster, ns, name).get("step"),
+            900,
+            "the first reported step (pods started, rendezvoused by DNS, progress reported)",
+        )
+        pods = _pods(real_cluster, ns, f"rljob.io/job={name}")
+        assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
+        pod = pods[0]["metadata"]["name"]
+        logs = real_cluster.kubectl("logs", "-n", ns, pod).stdout
+        assert "step " in logs, logs[-2000:]
+        probe = "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"
+        who = real_cluster.kubectl("exec", "-n", ns, pod, "--", "python", "-c", probe).stdout
+        assert who.split() == ["worker", "/home/rljob"]
+        table = real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout
+        assert "STEP" in table and "PHASE" in table
+        out, _ = follower.communicate(timeout=1800)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    print(out[-3000:])
+    assert follower.returncode == 0, out[-3000:]
     st = _status(real_cluster, ns, name)
     assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
-    assert st["step"] == 30
-    print(real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout)
+    assert st["step"] == GRPO_STEPS
+    rewards = [float(m["reward"]) for m in map(LINE.match, out.splitlines()) if m]
+    assert len(rewards) >= 10, out[-3000:]
+    baseline, final = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    print(f"grpo-colocated on real pods: reward {baseline:.3f} -> {final:.3f}")
+    assert final > baseline
 
 
 # --------------------------------------------------------------------------- missing image
