@@ -223,7 +223,9 @@ def real_job(example: str, *, steps: int, image: str | None = None) -> dict[str,
 
 
 def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
-    return get_json(cluster, "rlj", name, "-n", ns).get("status", {})  # type: ignore[no-any-return]
+    """The job's status ({} while it does not exist yet)."""
+    out = cluster.kubectl("get", "rlj", name, "-n", ns, "-o", "json", check=False)
+    return json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}  # type: ignore[no-any-return]
 
 
 GRPO_STEPS = 60

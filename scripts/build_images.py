@@ -222,7 +222,17 @@ def operator_env_layer() -> Layer:
         transform = f"s,^site-packages,{SITE},rhS"
         _tar(out, (tmp / "skel", "opt"), (tmp, "site-packages"), transform=transform)
 
-    return Layer("op-env", _hash_strings(_sha256_file(lock), _sha256_file(pyproject)), make)
+    return Layer("op-env", _hash_strings(_sha256_file(lock), _operator_requirements()), make)
+
+
+def _operator_requirements() -> str:
+    """The operator's requirement lines in pyproject.toml (not the rest of the file, so tool
+    settings or markers do not rebuild the layer)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = [*project.get("dependencies", []), *project["optional-dependencies"]["operator"]]
+    return "\n".join(sorted(deps))
 
 
 def _uv() -> Path:
@@ -371,8 +381,13 @@ def manifest_for(image: Image, diff_ids: list[str]) -> tuple[dict[str, object], 
     return entry, config_bytes, manifest_bytes
 
 
-def write_oci_archive(image: Image, diff_ids: list[str], out: io.BufferedIOBase) -> str:
-    """Stream an OCI image-layout tar of ``image`` to ``out``; return the manifest digest."""
+def write_oci_archive(
+    image: Image, diff_ids: list[str], out: io.BufferedIOBase, skip: frozenset[str] = frozenset()
+) -> str:
+    """Stream an OCI image-layout tar of ``image`` to ``out``; return the manifest digest.
+
+    Layers whose digest is in ``skip`` (already in containerd's content store) are left out: the
+    import finds them there, so a source change streams only the small project layer."""
     entry, config_bytes, manifest_bytes = manifest_for(image, diff_ids)
     with tarfile.open(fileobj=out, mode="w|") as tar:
 
@@ -387,7 +402,8 @@ def write_oci_archive(image: Image, diff_ids: list[str], out: io.BufferedIOBase)
         for data in (config_bytes, manifest_bytes):
             add_bytes(f"blobs/sha256/{hashlib.sha256(data).hexdigest()}", data)
         for lay, digest in zip(image.layers, diff_ids, strict=True):
-            tar.add(lay.path, arcname=f"blobs/sha256/{digest.split(':', 1)[1]}")
+            if digest not in skip:
+                tar.add(lay.path, arcname=f"blobs/sha256/{digest.split(':', 1)[1]}")
     return str(entry["digest"])
 
 
@@ -462,6 +478,17 @@ def imported_digest(sock: str, ref: str) -> str | None:
     return None
 
 
+def present_blobs(sock: str) -> frozenset[str]:
+    """Digests already in containerd's content store (k8s.io namespace)."""
+    r = subprocess.run(
+        ["ctr", "-a", sock, "-n", "k8s.io", "content", "ls", "-q"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return frozenset(r.stdout.split())
+
+
 def import_image(sock: str, image: Image, diff_ids: list[str]) -> None:
     """Import ``image`` into containerd (k8s.io namespace, unpacked) unless it is there already."""
     entry, _, _ = manifest_for(image, diff_ids)
@@ -477,7 +504,7 @@ def import_image(sock: str, image: Image, diff_ids: list[str]) -> None:
     )  # fmt: skip
     assert proc.stdin is not None
     try:
-        write_oci_archive(image, diff_ids, proc.stdin)  # type: ignore[arg-type]
+        write_oci_archive(image, diff_ids, proc.stdin, present_blobs(sock))  # type: ignore[arg-type]
     finally:
         proc.stdin.close()
     if proc.wait() != 0:
