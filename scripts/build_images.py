@@ -419,6 +419,9 @@ def containerd_root() -> Path:
 def containerd(address: str | None) -> Iterator[str]:
     """The address of a running containerd: ``address`` if given, else a temporary one on the
     shared root, stopped on exit."""
+    # a running real node holds the store: import through its containerd
+    running = [str(s) for s in sorted(Path("/run").glob("rljob-node-*/containerd.sock"))]
+    address = address or next((s for s in running if _ctr_ok(s)), None)
     if address:
         yield address
         return
