@@ -228,7 +228,7 @@ def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
     return json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}  # type: ignore[no-any-return]
 
 
-GRPO_STEPS = 60
+GRPO_STEPS = 40
 LINE = re.compile(r"^\[(?P<job>[\w-]+)\] step (?P<step>\d+)/\d+  reward (?P<reward>[\d.]+)")
 
 
