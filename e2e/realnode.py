@@ -394,7 +394,20 @@ def unmount_all(prefixes: list[str]) -> None:
                 libc.umount2(point.encode(), 2)  # MNT_DETACH
 
 
-def remove_cgroups(p: NodePaths) -> None:
+def remove_cgroups(p: NodePaths, timeout: float = 30.0) -> None:
+    """Remove the node's cgroups; killed processes leave a cgroup only once they are reaped
+    (zombies still count), so try again for a while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _remove_cgroups_once(p)
+        if not any((h / p.cgroup_root).exists() for h in _hierarchies()):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+
+
+def _remove_cgroups_once(p: NodePaths) -> None:
     for hier in _hierarchies():
         root = hier / p.cgroup_root
         if not root.exists():
