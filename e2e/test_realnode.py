@@ -10,7 +10,12 @@
   their ServiceAccount token and reach Succeeded with the reward above its baseline;
   ``kubectl get rlj`` shows step and phase; ``kubectl logs`` and ``kubectl exec`` work on a worker;
 - a job whose image is not on the node says so in its status (condition + Event), not a silent
-  Pending.
+  Pending;
+- ``examples/dapo-disaggregated.yaml`` (one rollout pod, two trainer pods with gloo DDP between
+  them) trains over the pod network; killing the rollout's process (not the pod object) replaces
+  that pod alone with the trainer pods' UIDs unchanged; killing a trainer process restarts the
+  trainer group from the checkpoint on the persistent volume (steps continue past it, not from 0);
+  suspend deletes the pods and keeps the checkpoint, resume continues from it; then Succeeded.
 
 Needs root and the node set-up of ``scripts/setup.sh``; skips naming what is missing otherwise, or
 with ``RLJOB_REAL_NODE=0``.
