@@ -2,7 +2,8 @@
 
 ``rljob-operator`` (or ``python -m rljob_operator``) runs the controller, cluster-wide or in
 given namespaces, with a liveness endpoint and a Prometheus endpoint. ``rljob`` runs jobs locally
-(``rljob run job.yaml --local``) and prints the generated CRD (``rljob crd``).
+(``rljob run job.yaml --local``) or on the cluster of the current kubeconfig context
+(``rljob run job.yaml``: apply, then follow to the end) and prints the CRD (``rljob crd``).
 """
 
 from __future__ import annotations
@@ -250,8 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument(
         "--local",
         action="store_true",
-        required=True,
-        help="run the roles as local processes (the embedded default)",
+        help="run the roles as local processes (the embedded runtime); without it the job is "
+        "applied to the current kubeconfig context and followed (Ctrl-C detaches)",
+    )
+    run.add_argument("--namespace", "-n", default=None, help="cluster: namespace of the job")
+    run.add_argument("--kubeconfig", default=None, help="cluster: kubeconfig file")
+    run.add_argument(
+        "--delete-after", action="store_true", help="cluster: delete the job once it finished"
     )
     run.add_argument("--workdir", default=None, help="output folder (default runs/<job name>)")
     run.add_argument("--steps", type=int, default=None, help="override spec.totalSteps")
@@ -269,6 +275,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.stdout.write(render_crd())
         return 0
+    if not args.local:
+        for flag, value in (
+            ("--workdir", args.workdir),
+            ("--steps", args.steps),
+            ("--model", args.model),
+            ("--build-tiny-model", args.build_tiny_model),
+        ):
+            if value:
+                parser.error(f"{flag} needs --local (on a cluster, set it in the manifest)")
+        from rljob_operator.follow import run_manifest_on_cluster
+
+        return run_manifest_on_cluster(
+            args.manifest,
+            namespace=args.namespace,
+            kubeconfig=args.kubeconfig,
+            delete_after=args.delete_after,
+        )
     from rljob_operator.local import run_manifest_locally
 
     return run_manifest_locally(
