@@ -237,6 +237,7 @@ GRPO_STEPS = 40
 LINE = re.compile(r"^\[(?P<job>[\w-]+)\] step (?P<step>\d+)/\d+  reward (?P<reward>[\d.]+)")
 
 
+@pytest.mark.timeout(1800)  # vLLM pods on 2 shared cores: 12-14 min at load 20-26
 def test_grpo_colocated_runs_as_real_pods_to_succeeded(
     real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -335,6 +336,7 @@ def _uids(cluster: LocalCluster, ns: str, selector: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in _pods(cluster, ns, selector)}
 
 
+@pytest.mark.timeout(1800)  # vLLM pods on 2 shared cores: 12-14 min at load 20-26
 def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
