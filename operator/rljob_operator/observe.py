@@ -70,3 +70,8 @@ def observe_node_ready(kube: Kube, name: str) -> bool:
         return False
     conditions = node.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def observe_nodes(kube: Kube) -> list[dict[str, Any]]:
+    """Every Node (``rljob plan --kubeconfig`` reads their allocatable and GPU labels)."""
+    return kube.list("v1", "Node", None)
