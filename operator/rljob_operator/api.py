@@ -1113,6 +1113,13 @@ class RLJobStatus(StatusModel):
         max_length=_PATH_MAX,
         description="Checkpoint the trainer resumes from after a restart or a resume from suspend.",
     )
+    plan_summary: str | None = Field(
+        None,
+        max_length=4096,
+        description="Recorded at creation (also as a Planned Event): why this topology (the "
+        "topology: auto rule that decided), the fit verdict and each role's pods with GPUs and "
+        "memory. rljob plan --model DIR gives the full memory estimate per pod.",
+    )
 
 
 class ObjectMeta(BaseModel):

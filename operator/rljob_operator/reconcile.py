@@ -34,6 +34,7 @@ from rljob_operator.builders import (
     role_replicas,
     roles_for,
 )
+from rljob_operator.plan import build_plan_summary
 from rljob_workers.config import CONTROL_KEY, Control, Progress
 
 TOKEN_PLACEHOLDER = "__generated__"
@@ -227,6 +228,10 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     spec = job.spec
     topology, _reason = resolve_topology(spec)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
+    if "resolvedTopology" not in old:  # the creation pass
+        summary = build_plan_summary(job, topology)
+        work.status["planSummary"] = summary
+        work.events.append(EventSpec("Normal", "Planned", summary))
     progress = read_progress(observed, ref)
     _report_progress(work, progress, spec, topology)
 
