@@ -1029,6 +1029,24 @@ class CheckpointStatus(StatusModel):
     time: AwareDatetime | None = Field(None, description="When it was written.")
 
 
+class RoleUtilization(StatusModel):
+    """Utilisation of one role, averaged over its processes' last reports."""
+
+    idle_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fraction of wall time the role waited (for experience, weights or the "
+        "other phase) over its last step.",
+    )
+    accelerator_utilization: float | None = Field(
+        None, ge=0, le=100, description="Mean GPU utilisation (%, NVML); absent without GPUs."
+    )
+    accelerator_utilization_stddev: float | None = Field(
+        None, ge=0, description="Fluctuation of GPU utilisation over the last step (%)."
+    )
+
+
 class RLJobStatus(StatusModel):
     """Observed state, written by the operator."""
 
@@ -1112,6 +1130,11 @@ class RLJobStatus(StatusModel):
         None,
         max_length=_PATH_MAX,
         description="Checkpoint the trainer resumes from after a restart or a resume from suspend.",
+    )
+    utilization: dict[str, RoleUtilization] = Field(
+        default_factory=dict,
+        description="Per role (actor, rollout, trainer): idle fraction and GPU utilisation, "
+        "as last reported.",
     )
     plan_summary: str | None = Field(
         None,
