@@ -10,7 +10,8 @@ A step record is a flat JSON object. Keys every runtime writes (others may be ad
 ``advantage_var``, ``tokens_per_s``, ``step_time_s``, ``policy_lag_ms``,
 ``policy_lag_versions``, ``time``; and the utilisation keys of ``rljob_workers.utilization``
 (``idle_fraction``, ``idle_<reason>``, ``accelerator_util`` and ``accelerator_util_std`` where
-NVML sees a GPU).
+NVML sees a GPU). The JSONL line also carries ``role``, ``rank`` and ``peak_rss_mb`` (the
+process's peak resident memory so far).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import errno
 import json
 import logging
 import math
+import resource
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -267,7 +269,10 @@ class RoleReporter:
         self, record: Mapping[str, Any], *, dropped: Mapping[str, int] | None = None
     ) -> None:
         """Write one record; ``dropped`` (cumulative counts by reason) feeds the counters."""
-        self.sink.write({**record, "role": self.env.role, "rank": self.env.rank})
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        self.sink.write(
+            {**record, "role": self.env.role, "rank": self.env.rank, "peak_rss_mb": peak_rss_mb}
+        )
         self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
         for reason, total in (dropped or {}).items():
             self.exporter.count_dropped(reason, total - self._dropped_exported.get(reason, 0))
