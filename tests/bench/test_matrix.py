@@ -86,5 +86,8 @@ def test_matrix_smoke_writes_table_and_heatmap(
     colocated, disaggregated = result["cells"]
     assert set(colocated["idle_fraction"]) == {"actor"}
     assert set(disaggregated["idle_fraction"]) == {"rollout", "trainer"}
-    assert colocated["mean_lag_versions"] == 0.0
+    # colocated: only the lag inside a step (2 epochs x 2 minibatches: the last update is 3
+    # versions past the sampling policy); disaggregated adds the rollouts' lag, up to maxVersions
+    assert colocated["mean_lag_versions"] == 3.0
+    assert set(colocated["runs"][0]["staleness_histogram"]) == {"3"}
     assert (tmp_path / "matrix.png").stat().st_size > 0
