@@ -246,7 +246,9 @@ def plan_main(args: argparse.Namespace) -> int:
                 else f"--node-memory {args.node_memory}",
             )
         matrix = Path(args.matrix) if args.matrix else _committed_matrix()
-        cells = json.loads(matrix.read_text()).get("cells", []) if matrix.is_file() else []
+        data = json.loads(matrix.read_text()) if matrix.is_file() else {}
+        context = f"{data.get('model', '?')}, task {data.get('task', '?')}"
+        cells = [{**c, "measured_on": context} for c in data.get("cells", [])]
         plan = build_plan(
             job,
             shape=shape,

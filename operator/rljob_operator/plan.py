@@ -604,6 +604,8 @@ def render_plan(plan: JobPlan) -> str:
         keys = ("samples_per_s", "final_reward_mean", "final_reward_spread", "mean_lag_versions")
         nums = ", ".join(f"{k} {plan.nearest.cell[k]}" for k in keys if k in plan.nearest.cell)
         lines.append(f"  cell {plan.nearest.cell.get('cell', '?')}: {nums}")
+        if "measured_on" in plan.nearest.cell:
+            lines.append(f"  measured on {plan.nearest.cell['measured_on']} (compare, not predict)")
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append(f"verdict: {plan.verdict}")
     return "\n".join(lines) + "\n"
