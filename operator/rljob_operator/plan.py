@@ -426,7 +426,7 @@ def _pod_capacity(
 ) -> tuple[int | None, str]:
     if gpus:
         if capacity.gpu_bytes is None:
-            return None, "unknown (give --gpu-memory or --kubeconfig)"
+            return None, "unknown (give --gpu-memory, or nodes labelled nvidia.com/gpu.memory)"
         return gpus * capacity.gpu_bytes, f"{gpus} GPU x {capacity.source}"
     resources = pod["spec"]["containers"][0].get("resources", {})
     for kind in ("limits", "requests"):
