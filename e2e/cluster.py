@@ -590,6 +590,7 @@ current-context: rljob-local
                 "nvidia.com/gpu.present": "true",
                 "nvidia.com/gpu.count": str(gpus),
                 "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "nvidia.com/gpu.memory": "81559",  # MiB, as GPU feature discovery labels it
             }
             spec["taints"] = [GPU_TAINT]
         return {

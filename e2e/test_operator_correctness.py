@@ -154,7 +154,13 @@ def test_user_service_account_may_report_progress(
     cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
 ) -> None:
     cluster.kubectl("create", "serviceaccount", "team-sa", "-n", namespace)
-    submit(cluster, namespace, "own-sa", example="grpo-colocated", serviceAccountName="team-sa")
+    submit(
+        cluster,
+        namespace,
+        "own-sa",
+        example="grpo-colocated",
+        worker={"serviceAccountName": "team-sa"},
+    )
     wait_for(lambda: running(cluster, namespace, "own-sa", 2), 90, "job Running")
     assert {p["spec"]["serviceAccountName"] for p in pods(cluster, namespace, "own-sa")} == {
         "team-sa"

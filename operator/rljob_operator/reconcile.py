@@ -62,6 +62,7 @@ from rljob_operator.kueue import (
     read_workload,
     workload_name,
 )
+from rljob_operator.plan import build_plan_summary
 from rljob_workers.config import CONTROL_KEY, Control, Progress
 
 TOKEN_PLACEHOLDER = "__generated__"
@@ -360,6 +361,10 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     spec = job.spec
     topology = sticky_topology(spec, old)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
+    if "resolvedTopology" not in old:  # the creation pass
+        summary = build_plan_summary(job, topology)
+        work.status["planSummary"] = summary
+        work.events.append(EventSpec("Normal", "Planned", summary))
     progress = read_progress(observed, ref)
     _report_progress(work, progress, spec, topology)
 
@@ -575,6 +580,28 @@ def _report_progress(
     rates = [p.tokens_per_second for p in progress if p.tokens_per_second is not None]
     if rates:
         work.status["tokensPerSecond"] = round(sum(rates), 1)
+    utilization = build_utilization_status(progress)
+    if utilization:
+        work.status["utilization"] = utilization
+
+
+def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, float]]:
+    """Per role, the mean over its processes of each reported utilisation number."""
+    fields = {
+        "idleFraction": "idle_fraction",
+        "acceleratorUtilization": "accelerator_util",
+        "acceleratorUtilizationStddev": "accelerator_util_std",
+    }
+    out: dict[str, dict[str, float]] = {}
+    for role in sorted({p.role for p in progress}):
+        entry = {}
+        for key, attr in fields.items():
+            values = [v for p in progress if p.role == role and (v := getattr(p, attr)) is not None]
+            if values:
+                entry[key] = round(sum(values) / len(values), 4)
+        if entry:
+            out[role] = entry
+    return out
 
 
 def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:

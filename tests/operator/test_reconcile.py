@@ -99,11 +99,22 @@ def test_reconcile_all_ready_becomes_running_then_no_change() -> None:
     assert running_cond["observedGeneration"] == 3
     assert plan.status["observedGeneration"] == 3
     assert plan.status["startTime"] == "2027-01-15T08:00:00Z"
-    assert [e.reason for e in plan.events] == ["Running"]
+    assert [e.reason for e in plan.events] == ["Running", "Planned"]  # first pass of the job
     converged = converge(observed)
     again = reconcile(converged, now=NOW + 60)
     assert again.empty, again
     assert again.requeue_after is None
+
+
+def test_reconcile_creation_records_plan_summary_once() -> None:
+    plan = reconcile(Observed(job=job_object("ppo-colocated")), now=NOW)
+    assert plan.status is not None
+    summary = plan.status["planSummary"]
+    assert summary.startswith("topology colocated: ppo is on-policy") and "(rule 2)" in summary
+    assert "2x actor (1 GPU" in summary
+    assert [e.message for e in plan.events if e.reason == "Planned"] == [summary]
+    again = reconcile(converge(observed_children(job_object("ppo-colocated"))), now=NOW + 1)
+    assert all(e.reason != "Planned" for e in again.events)
 
 
 def test_reconcile_existing_pods_are_never_recreated() -> None:
