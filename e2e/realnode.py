@@ -577,9 +577,13 @@ def job_for_real_node(
         spec["totalSteps"] = steps
     spec["model"]["volume"] = {"claimName": "models"}
     spec["checkpoint"] = {**spec.get("checkpoint", {}), "claimName": "ckpt", "everySteps": 5}
-    spec["imagePullPolicy"] = "Never"
+    # the pod settings sit under spec.worker from v1beta1 on, at the top of the spec before
+    pods = (
+        spec if job.get("apiVersion", "").endswith("/v1alpha1") else spec.setdefault("worker", {})
+    )
+    pods["imagePullPolicy"] = "Never"
     if image:
-        spec["image"] = image
+        pods["image"] = image
     resources = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "6Gi"}}
     for role in ("trainer", "rollout"):
         if role in spec or role == "trainer":
