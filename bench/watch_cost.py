@@ -7,12 +7,15 @@ control plane with kwok nodes:
 1. create N colocated jobs (2 pods each) and wait until every job is Running;
 2. let the operator settle, then measure a window with nothing happening (no heartbeats, no
    edits): the API server's request count and bytes sent (responses + watch events), minus the
-   same window measured with the operator stopped (the control plane's own traffic), and the
-   operator's CPU seconds (utime + stime of its process).
+   same window measured with the operator stopped and the namespace deleted (the control plane's
+   own traffic), and the operator's CPU seconds (utime + stime of its process). Each run's
+   namespace is gone before the next run starts, so deletions never fall into a window.
 
 Reports API requests per job-minute, KiB received per job-minute, and operator CPU in cores per
 100 idle jobs. Writes bench/results/watch_cost.json and watch_cost.png.
 Usage: .venv/bin/python -m bench.watch_cost [--jobs 100 300] [--window 60] [--before REV]
+       [--versions before after] [--name watch_cost]
+A window of at least 300 s includes the idle resync every running job gets (RESYNC_SECONDS).
 """
 
 from __future__ import annotations
@@ -121,10 +124,9 @@ def measure(
     time.sleep(20)
     with_op = window(cluster, seconds, op.proc.pid)
     op.kill()
+    clean_up(cluster, kube, ns)  # so no deletion traffic spills into the next windows
     say(f"{version}: control plane alone")
-    time.sleep(5)
     alone = window(cluster, seconds, None)
-    cluster.kubectl("delete", "namespace", ns, "--wait=false")
     minutes = seconds / 60
     requests = max(0.0, with_op["requests"] - alone["requests"])
     received = max(0.0, with_op["bytes"] - alone["bytes"])
@@ -138,6 +140,21 @@ def measure(
         "cores_per_100_jobs": with_op["cpu_s"] / seconds * 100 / jobs,
         "raw": {"with_operator": with_op, "control_plane_alone": alone},
     }
+
+
+def clean_up(cluster: LocalCluster, kube: Kube, ns: str) -> None:
+    """Delete the namespace and wait until it is gone (dropping the old operator's finalizers)."""
+    for job in kube.list("rljob.io/v1alpha1", "RLJob", ns):
+        if job["metadata"].get("finalizers"):
+            kube.merge_patch(
+                "rljob.io/v1alpha1",
+                "RLJob",
+                ns,
+                job["metadata"]["name"],
+                {"metadata": {"finalizers": None}},
+            )
+    cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=600s")
+    time.sleep(10)
 
 
 def before_code(rev: str, tmp: Path) -> Path:
@@ -170,12 +187,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                 for n in counts
             ]
             xs = [j + (i - 0.5) * 0.35 for j in range(len(counts))]
-            ax.bar(xs, values, width=0.35, label=version)
+            bars = ax.bar(xs, values, width=0.35, label=version)
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_xticks(range(len(counts)), [f"{n} jobs" for n in counts])
         ax.set_title(title)
-        ax.set_yscale("log")
     axes[0].legend()
-    fig.suptitle("Idle RLJobs: cost to the operator and the API server (log scale)")
+    fig.suptitle("Idle RLJobs (no heartbeats, no edits): cost to the operator and API server")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -185,6 +202,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, nargs="+", default=[100, 300])
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--before", default=BASE_COMMIT, help="git revision of the old operator")
+    parser.add_argument("--versions", nargs="+", default=["before", "after"])
+    parser.add_argument("--name", default="watch_cost", help="results file name (no suffix)")
     args = parser.parse_args()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -198,13 +217,15 @@ def main() -> int:
             kube = Kube.connect(str(cluster.kubeconfig))
             for jobs in args.jobs:
                 for version, code in (("before", old), ("after", None)):
+                    if version not in args.versions:
+                        continue
                     results.append(measure(cluster, kube, version, code, jobs, args.window, tmp))
         finally:
             cluster.down()
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"before_revision": args.before, "results": results}
-    (RESULTS / "watch_cost.json").write_text(json.dumps(payload, indent=2))
-    plot(results, RESULTS / "watch_cost.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2))
+    plot(results, RESULTS / f"{args.name}.png")
     print("| version | jobs | API requests / job-min | KiB / job-min | operator CPU s / min "
           "| cores / 100 idle jobs |")  # fmt: skip
     print("|---|---|---|---|---|---|")

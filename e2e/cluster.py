@@ -7,9 +7,15 @@ registers fake GPU nodes (``nvidia.com/gpu`` allocatable, tainted ``nvidia.com/g
 API server's ExtendedResourceToleration admission plugin adds the toleration to pods that request
 GPUs) and one untainted CPU node.
 
+With ``real_node=True`` (``up --real-node``) it adds one real node, ``rljob-node`` (containerd +
+runc + kubelet + kube-proxy + CoreDNS inside a network namespace, see ``e2e/realnode.py``), labelled
+and tainted ``rljob.io/real-node=true:NoSchedule`` so only pods that select and tolerate it run
+there (kwok's nodes never take them: they lack the label). Needs root and ``scripts/setup.sh``'s
+node set-up (Debian packages, kubelet/kube-proxy/coredns, images imported into containerd).
+
 Command line::
 
-    python -m e2e.cluster up [--dir DIR] [--gpu-nodes N] [--kueue]   # prints the kubeconfig path
+    python -m e2e.cluster up [--dir DIR] [--gpu-nodes N] [--kueue] [--real-node]  # kubeconfig path
     python -m e2e.cluster status [--dir DIR]
     python -m e2e.cluster down [--dir DIR]
 
@@ -38,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from e2e import kueue
+from e2e import kueue, realnode
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = Path(os.environ.get("RLJOB_CLUSTER_DIR", "/tmp/rljob-cluster"))
@@ -50,6 +56,7 @@ COMPONENTS = (
     "kube-scheduler",
     "kwok",
     "kueue",
+    *realnode.NODE_COMPONENTS,
 )
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
@@ -74,11 +81,16 @@ def cache_dir() -> Path:
 def binary(name: str) -> Path:
     """Path of a control-plane binary built by scripts/build_controlplane.sh."""
     v = _versions()
+    if name == "containerd":
+        return Path(shutil.which("containerd") or "/usr/bin/containerd")
     folder = {
         "etcd": f"etcd-{v['ETCD_VERSION']}",
         "kwok": f"kwok-{v['KWOK_VERSION']}",
         "helm": f"helm-{v['HELM_VERSION']}",
         "kueue": f"kueue-{v['KUEUE_VERSION']}",
+        "kubelet": f"kubenode-{v['K8S_VERSION']}",
+        "kube-proxy": f"kubenode-{v['K8S_VERSION']}",
+        "coredns": f"coredns-{v.get('COREDNS_VERSION', '')}",
     }.get(name, f"kubernetes-{v['K8S_VERSION']}")
     path = cache_dir() / "bin" / folder / name
     if not path.exists():
@@ -98,6 +110,39 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _preexec(tie_to_parent: bool, netns: str | None) -> Callable[[], None] | None:
+    if not tie_to_parent and netns is None:
+        return None
+
+    def run() -> None:
+        if tie_to_parent:
+            _die_with_parent()
+        if netns is not None:
+            realnode.setns(netns)
+
+    return run
+
+
+def real_node_missing() -> str | None:
+    """Why a real node cannot start here (None when it can): root, packages, binaries, images."""
+    if os.geteuid() != 0:
+        return "a real node needs root (containerd, network namespaces, cgroups)"
+    for tool in ("containerd", "runc", "ctr", "iptables", "ip"):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing: run scripts/setup.sh (its node step installs it)"
+    if not Path("/usr/lib/cni/bridge").exists():
+        return "CNI plugins missing in /usr/lib/cni: run scripts/setup.sh"
+    for name in ("kubelet", "kube-proxy", "coredns"):
+        try:
+            binary(name)
+        except FileNotFoundError as e:
+            return str(e)
+    marker = cache_dir() / "images" / "imported.json"
+    if not marker.exists():
+        return f"images not imported into containerd ({marker} missing): run scripts/setup.sh"
+    return None
+
+
 @dataclass
 class LocalCluster:
     """One local control plane rooted at ``workdir`` (state, logs and kubeconfig live there)."""
@@ -107,7 +152,12 @@ class LocalCluster:
     gpus_per_node: int = 8
     tie_to_parent: bool = False
     kueue: bool = False
+    real_node: bool = False
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def node(self) -> realnode.NodePaths:
+        return realnode.NodePaths(self.workdir)
 
     @property
     def kubeconfig(self) -> Path:
@@ -132,6 +182,8 @@ class LocalCluster:
         start = time.monotonic()
         if self.running_pids():
             raise RuntimeError(f"a cluster is already running in {self.workdir}: run `down` first")
+        if self.real_node:
+            self._check_real_node_possible()
         self.workdir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)  # a throwaway cluster starts empty
         (self.workdir / "logs").mkdir(exist_ok=True)
@@ -139,10 +191,17 @@ class LocalCluster:
         if self.kueue:
             names += ["kueue_webhook", "kueue_health", "kueue_metrics"]
         ports = {k: free_port() for k in names}
-        self.state_file.write_text(json.dumps({"ports": ports, "pids": {}}))
+        state: dict[str, object] = {"ports": ports, "pids": {}}
+        if self.real_node:
+            # recorded before anything is changed, so `down` can undo it after any crash
+            state["real_node"] = {"sysctls": realnode.read_sysctls()}
+        self.state_file.write_text(json.dumps(state))
         self._write_credentials()
         self._write_kubeconfig()
         try:
+            if self.real_node:
+                say(f"creating network namespace {self.node.netns}")
+                realnode.make_network(self.node)
             say("starting etcd")
             self._start("etcd", self._etcd_args(ports))
             self._wait(
@@ -166,13 +225,27 @@ class LocalCluster:
             if self.kueue:
                 say("starting kueue")
                 self._start_kueue(ports)
+            if self.real_node:
+                self._up_real_node(ports, timeout, say)
         except BaseException:
             self.down()
             raise
         return time.monotonic() - start
 
     def down(self) -> None:
-        """Stop every process of this cluster (by pid file, then by scanning /proc for strays)."""
+        """Stop every process of this cluster (by pid file, then by scanning /proc for strays);
+        with a real node, also remove everything it left on the host."""
+        self._stop_processes()
+        state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        node = state.get("real_node")
+        if node is not None or Path(self.node.netns_path).exists():
+            left = realnode.teardown(self.node, (node or {}).get("sysctls", {}))
+            if left:
+                raise RuntimeError(f"real node teardown left behind: {left}")
+            state.pop("real_node", None)
+            self.state_file.write_text(json.dumps(state))
+
+    def _stop_processes(self) -> None:
         pids = dict(self._recorded_pids())
         for name, proc in self.procs.items():
             pids.setdefault(name, proc.pid)
@@ -258,15 +331,17 @@ class LocalCluster:
             "kueue webhooks",
         )
 
-    def _start(self, name: str, args: Sequence[str]) -> None:
+    def _start(
+        self, name: str, args: Sequence[str], *, netns: str | None = None, cmd: Sequence[str] = ()
+    ) -> None:
         log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(
-            [str(binary(name)), *args],
+            [*(cmd or [str(binary(name))]), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=self.workdir,
-            preexec_fn=_die_with_parent if self.tie_to_parent else None,
+            preexec_fn=_preexec(self.tie_to_parent, netns),
             start_new_session=not self.tie_to_parent,
         )
         log.close()
@@ -298,9 +373,71 @@ class LocalCluster:
                 found.append(int(entry.name))
         return found
 
+    def _check_real_node_possible(self) -> None:
+        why = real_node_missing()
+        if why:
+            raise RuntimeError(f"cannot start a real node: {why}")
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                if cmd[0].rsplit(b"/", 1)[-1] == b"containerd":
+                    raise RuntimeError(
+                        "cannot start a real node: containerd already runs (pid "
+                        f"{entry.name}: {b' '.join(cmd).decode(errors='replace')}); the node "
+                        "store is shared, so one real node at a time: `python -m e2e.cluster "
+                        "down --dir DIR` on the other cluster first"
+                    )
+
+    def _up_real_node(
+        self, ports: dict[str, int], timeout: float, say: Callable[[str], None]
+    ) -> None:
+        n = self.node
+        api = ports["apiserver"]
+        realnode.write_node_files(n, api_port=api, cache=cache_dir(), kubeconfig_token=ADMIN_TOKEN)
+        realnode.make_cgroups(n)
+        say("real node: forwarder to the apiserver, containerd")
+        forward = [n.netns_path, f"{realnode.NODE_IP}:{api}", f"127.0.0.1:{api}", str(self.workdir)]
+        self._start(
+            "forwarder",
+            ["forward", *forward],
+            cmd=[sys.executable, str(REPO / "e2e" / "realnode.py")],
+        )
+        self._start("containerd", ["--config", str(n.dir / "containerd.toml")], netns=n.netns_path)
+        self._wait(lambda: _ctr_ok(n.socket), 60, "containerd")
+        say("real node: coredns, kube-proxy, kubelet")
+        self._start("coredns", ["-conf", str(n.dir / "Corefile")], netns=n.netns_path)
+        self._start("kube-proxy", ["--config", str(n.dir / "kube-proxy.json")], netns=n.netns_path)
+        self._start(
+            "kubelet",
+            [
+                f"--config={n.dir / 'kubelet.json'}",
+                f"--kubeconfig={n.dir / 'kubeconfig'}",
+                f"--root-dir={n.kubelet_root}",
+                f"--cert-dir={n.kubelet_root / 'pki'}",
+                f"--hostname-override={realnode.NODE_NAME}",
+                f"--node-ip={realnode.NODE_IP}",
+                f"--node-labels={realnode.NODE_LABEL}=true",
+                "--v=1",
+            ],
+            netns=n.netns_path,
+        )
+        self._wait(self._real_node_ready, timeout, f"real node {realnode.NODE_NAME} Ready")
+
+    def _real_node_ready(self) -> bool:
+        out = self.kubectl("get", "node", realnode.NODE_NAME, "-o", "json", check=False)
+        if out.returncode != 0:
+            return False
+        conditions = json.loads(out.stdout).get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
     def _write_credentials(self) -> None:
         pki = self.workdir / "pki"
         pki.mkdir(exist_ok=True)
+        # the apiserver makes its serving cert for the advertised address: make it again each time
+        for name in ("apiserver.crt", "apiserver.key"):
+            (pki / name).unlink(missing_ok=True)
         if not (pki / "sa.key").exists():
             subprocess.run(
                 ["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"],
@@ -357,10 +494,20 @@ current-context: rljob-local
 
     def _apiserver_args(self, p: dict[str, int]) -> list[str]:
         pki = self.workdir / "pki"
+        node: list[str] = []
+        if self.real_node:
+            # pods reach the apiserver through the forwarder at the node address: advertise that
+            # (the `kubernetes` Service's endpoint, and an IP in the self-made serving cert)
+            node = [
+                f"--advertise-address={realnode.NODE_IP}",
+                "--endpoint-reconciler-type=lease",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
         return [
+            *node,
             f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
             "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *([] if self.real_node else ["--advertise-address=127.0.0.1"]),
             f"--secure-port={p['apiserver']}",
             f"--cert-dir={pki}",
             f"--token-auth-file={pki / 'tokens.csv'}",
@@ -372,7 +519,7 @@ current-context: rljob-local
             "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,DefaultTolerationSeconds,"
             "ExtendedResourceToleration,LimitRanger,ResourceQuota,Priority,"
             "OwnerReferencesPermissionEnforcement",
-            "--endpoint-reconciler-type=none",
+            *([] if self.real_node else ["--endpoint-reconciler-type=none"]),
             "--allow-privileged=true",
             "--profiling=false",
             "--enable-priority-and-fairness=false",
@@ -443,6 +590,7 @@ current-context: rljob-local
                 "nvidia.com/gpu.present": "true",
                 "nvidia.com/gpu.count": str(gpus),
                 "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "nvidia.com/gpu.memory": "81559",  # MiB, as GPU feature discovery labels it
             }
             spec["taints"] = [GPU_TAINT]
         return {
@@ -470,7 +618,9 @@ current-context: rljob-local
                 for c in n.get("status", {}).get("conditions", [])
             )
         ]
-        return len(ready) == self.gpu_nodes + 1
+        return len([n for n in ready if n["metadata"]["name"] != realnode.NODE_NAME]) == (
+            self.gpu_nodes + 1
+        )
 
     def _api_ok(self, path: str) -> bool:
         ctx = ssl.create_default_context()
@@ -511,6 +661,13 @@ current-context: rljob-local
         )
 
 
+def _ctr_ok(sock: Path) -> bool:
+    if not sock.exists():
+        return False
+    r = subprocess.run(["ctr", "-a", str(sock), "version"], capture_output=True, timeout=10)
+    return r.returncode == 0
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -534,12 +691,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpu-nodes", type=int, default=4)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--kueue", action="store_true", help="also run the Kueue controller")
+    parser.add_argument(
+        "--real-node",
+        action="store_true",
+        help="add one real node (containerd + kubelet in a network namespace; needs root)",
+    )
     args = parser.parse_args(argv)
     cluster = LocalCluster(
         args.dir.resolve(),
         gpu_nodes=args.gpu_nodes,
         gpus_per_node=args.gpus_per_node,
         kueue=args.kueue,
+        real_node=args.real_node,
     )
     if args.command == "up":
         seconds = cluster.up(

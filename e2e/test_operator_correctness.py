@@ -1,13 +1,15 @@
 """Operator behaviour that needs the API server's own semantics: aspects under test
 
-- status keys the operator drops really go away (merge patch with nulls): after recovery
+- status keys the operator drops really go away (merge patch with nulls), written under the
+  ``rljob-operator`` field manager: after recovery
   ``lagAboveSince`` / ``degradeAction`` are gone, healthy heartbeats post one ``Recovered`` Event,
   and the next spike waits the full ``degradeAfterSeconds``;
 - a child the API server refuses (a PriorityClass that does not exist) shows up as a Warning
   Event and the ``Created`` condition with the server's message, and the log has no traceback;
 - no finalizer: with the operator gone, ``kubectl delete rljob`` completes and garbage collection
   removes the children (what ``helm uninstall`` with jobs present leaves behind);
-- identical Events are one Event with a count.
+- identical Events are one Event with a count;
+- pods running as a user-supplied serviceAccountName may write their progress reports.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def test_status_removals_take_effect_one_recovered_event_full_delay_again(
     assert "lagAboveSince" not in st and "degradeAction" not in st, st
     recovered = [e for e in events(cluster, namespace, "lag") if e["reason"] == "Recovered"]
     assert sum(e.get("count", 1) for e in recovered) == 1
+    job = get_json(cluster, "rljob", "lag", "-n", namespace, "--show-managed-fields")
+    writers = {(m["manager"], m.get("subresource", "")) for m in job["metadata"]["managedFields"]}
+    assert ("rljob-operator", "status") in writers  # every write names its field manager
     beat(180.0)
     time.sleep(3)
     assert status(cluster, namespace, "lag")["phase"] == "Running"  # 3 s into 6
@@ -143,3 +148,29 @@ def test_repeated_identical_events_become_one_with_count(
     assert not pods(cluster, namespace, "dup")
     job = get_json(cluster, "rljob", "dup", "-n", namespace)
     assert json.dumps(job["status"]).count("no-such-class") >= 1
+
+
+def test_user_service_account_may_report_progress(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    cluster.kubectl("create", "serviceaccount", "team-sa", "-n", namespace)
+    submit(
+        cluster,
+        namespace,
+        "own-sa",
+        example="grpo-colocated",
+        worker={"serviceAccountName": "team-sa"},
+    )
+    wait_for(lambda: running(cluster, namespace, "own-sa", 2), 90, "job Running")
+    assert {p["spec"]["serviceAccountName"] for p in pods(cluster, namespace, "own-sa")} == {
+        "team-sa"
+    }
+    token = cluster.kubectl("create", "token", "team-sa", "-n", namespace).stdout.strip()
+    beat = Progress(role="actor", time=time.time(), step=7)
+    patch = json.dumps({"data": {beat.key: beat.model_dump_json()}})
+    out = cluster.kubectl(
+        "patch", "configmap", "own-sa-progress", "-n", namespace, "--type=merge", "-p", patch,
+        token=token, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr  # as the workers' heartbeat does, with the pod's token
+    wait_for(lambda: status(cluster, namespace, "own-sa").get("step") == 7, 30, "step in status")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the local control-plane binaries from Go modules into a cache outside the repo:
-#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm, kueue.
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, helm, kueue, and for
+#   the real node (skipped with RLJOB_REAL_NODE=0) kubelet, kube-proxy and coredns.
 # Each tool lands in $RLJOB_CACHE/bin/<tool>-<version>/ and is reused when present.
 # Usage: scripts/build_controlplane.sh            (prints the bin directory list on success)
 set -euo pipefail
@@ -17,22 +18,26 @@ mkdir -p "$work" "$CACHE/bin"
 k8s_minor=$(echo "$K8S_VERSION" | cut -d. -f2)
 staging_version="v0.${k8s_minor}.$(echo "$K8S_VERSION" | cut -d. -f3)"
 
-build_kubernetes() {
-  local out="$CACHE/bin/kubernetes-$K8S_VERSION"
-  [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && return 0
+k8s_module() {  # prints the wrapper module directory (go.mod written once)
   local mod="$work/kubernetes-$K8S_VERSION"
   mkdir -p "$mod"
-  # k8s.io/kubernetes replaces its staging modules with local paths; mirror those replaces with the
-  # published staging versions so the module builds as a dependency.
-  local gomod
-  gomod=$(cd "$mod" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
-  {
-    echo "module rljob.local/kubernetes-build"
-    echo "go 1.24"
-    echo "require k8s.io/kubernetes $K8S_VERSION"
-    grep -oE '^\s*k8s\.io/[a-z0-9.-]+ => \./staging/src/k8s\.io/[a-z0-9.-]+' "$gomod" |
-      awk -v v="$staging_version" '{print "replace " $1 " => " $1 " " v}'
-  } > "$mod/go.mod"
+  if [ ! -f "$mod/go.mod" ] || ! grep -q "^require k8s.io/kubernetes $K8S_VERSION\$" "$mod/go.mod"; then
+    # k8s.io/kubernetes replaces its staging modules with local paths; mirror those replaces with the
+    # published staging versions so the module builds as a dependency.
+    local gomod
+    gomod=$(cd "$mod" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
+    {
+      echo "module rljob.local/kubernetes-build"
+      echo "go 1.24"
+      echo "require k8s.io/kubernetes $K8S_VERSION"
+      grep -oE '^\s*k8s\.io/[a-z0-9.-]+ => \./staging/src/k8s\.io/[a-z0-9.-]+' "$gomod" |
+        awk -v v="$staging_version" '{print "replace " $1 " => " $1 " " v}'
+    } > "$mod/go.mod"
+  fi
+  echo "$mod"
+}
+
+k8s_ldflags() {  # version stamps so /version and `kubelet --version` are real
   local ld="-s -w"
   local commit
   commit=$(echo "$K8S_VERSION" | sha1sum | cut -c1-12)
@@ -40,12 +45,52 @@ build_kubernetes() {
     ld="$ld -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
     ld="$ld -X $pkg.gitTreeState=clean -X $pkg.gitCommit=$commit -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
+  echo "$ld"
+}
+
+build_k8s() {  # output-dir cmd...: go build the commands into $CACHE/bin/<output-dir>
+  local out="$CACHE/bin/$1"; shift
+  local missing=0 cmd
+  for cmd in "$@"; do [ -x "$out/$cmd" ] || missing=1; done
+  [ $missing = 0 ] && return 0
+  local mod
+  mod=$(k8s_module)
   mkdir -p "$out.tmp"
-  (cd "$mod" && go build -trimpath -ldflags "$ld" -o "$out.tmp/" \
-    k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler \
-    k8s.io/kubernetes/cmd/kubectl)
+  local pkgs=()
+  for cmd in "$@"; do pkgs+=("k8s.io/kubernetes/cmd/$cmd"); done
+  (cd "$mod" && go build -trimpath -ldflags "$(k8s_ldflags)" -o "$out.tmp/" "${pkgs[@]}")
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+build_coredns() {
+  # A main package that links only the plugins the real node's DNS uses (the way CoreDNS documents
+  # custom builds), instead of every cloud provider's SDK.
+  local out="$CACHE/bin/coredns-$COREDNS_VERSION"
+  [ -x "$out/coredns" ] && return 0
+  local mod="$work/coredns-$COREDNS_VERSION"
+  mkdir -p "$mod" "$out.tmp"
+  printf 'module rljob.local/coredns-build\ngo 1.25.0\nrequire github.com/coredns/coredns %s\n' "$COREDNS_VERSION" > "$mod/go.mod"
+  cat > "$mod/main.go" <<'GO'
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/ready"
+)
+
+func init() {
+	dnsserver.Directives = []string{"ready", "log", "errors", "health", "cache", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+GO
+  (cd "$mod" && go mod tidy && go build -trimpath -ldflags "-s -w" -o "$out.tmp/coredns" .)
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
@@ -95,5 +140,14 @@ build_go_kueue() {
 step "etcd $ETCD_VERSION" build_etcd
 step "kwok $KWOK_VERSION" build_go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
 step "helm $HELM_VERSION" build_go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION"
-step "kubernetes $K8S_VERSION (apiserver, controller-manager, scheduler, kubectl)" build_kubernetes
+step "kubernetes $K8S_VERSION (apiserver, controller-manager, scheduler, kubectl)" \
+  build_k8s "kubernetes-$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler kubectl
+if [ "${RLJOB_REAL_NODE:-1}" != 0 ]; then
+  # the real node's binaries, in their own folders so the control-plane build above stays cached
+  # (a failure does not fail the set-up: the real-node tests skip and name what is missing)
+  step "kubelet + kube-proxy $K8S_VERSION" build_k8s "kubenode-$K8S_VERSION" kubelet kube-proxy ||
+    _log "real node: kubelet/kube-proxy build failed; the real-node tests will skip"
+  step "coredns $COREDNS_VERSION" build_coredns ||
+    _log "real node: coredns build failed; the real-node tests will skip"
+fi
 step "kueue $KUEUE_VERSION (controller manager + CRDs)" build_go_kueue

@@ -6,6 +6,9 @@
 #   scripts/setup.sh            everything
 #   scripts/setup.sh python     only the Python environment
 #   scripts/setup.sh cluster    only the control-plane binaries
+#   scripts/setup.sh node       only the real node's packages and images (after `python`)
+# The real node's part (Debian packages, kubelet/kube-proxy/coredns, images) needs root; it is skipped
+# with a line saying so otherwise or with RLJOB_REAL_NODE=0, and the real-node tests then skip.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"
@@ -15,8 +18,13 @@ pids=()
 if [ "$what" = all ] || [ "$what" = cluster ]; then
   bash "$here/build_controlplane.sh" & pids+=($!)
 fi
-if [ "$what" = all ] || [ "$what" = python ]; then
+if [ "$what" = all ]; then
+  # the images need the Python environment (the worker image is the dependency venv)
+  (bash "$here/setup_python.sh" && bash "$here/setup_node.sh") & pids+=($!)
+elif [ "$what" = python ]; then
   bash "$here/setup_python.sh" & pids+=($!)
+elif [ "$what" = node ]; then
+  bash "$here/setup_node.sh" & pids+=($!)
 fi
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=1; done

@@ -21,6 +21,8 @@ LABEL org.opencontainers.image.title="rljob-operator" \
       org.opencontainers.image.description="Kubernetes operator for LLM RL post-training jobs (RLJob)" \
       org.opencontainers.image.version="0.1.0" \
       org.opencontainers.image.licenses="Apache-2.0"
+# kopf calls getpass.getuser() at start: the runtime uid needs a passwd entry
+RUN useradd --uid 65532 --user-group --no-create-home --home-dir /home/rljob rljob
 COPY --from=build /opt/rljob /opt/rljob
 ENV PATH=/opt/rljob/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -33,6 +33,9 @@ LABEL org.opencontainers.image.title="rljob-worker" \
       org.opencontainers.image.description="RLJob rollout/trainer worker (vLLM CPU + PyTorch)" \
       org.opencontainers.image.version="0.1.0-cpu" \
       org.opencontainers.image.licenses="Apache-2.0"
+# No C++ compiler here: vLLM's sampler goes through torch.compile even with enforce_eager, so
+# TORCH_COMPILE_DISABLE=1 (below) runs those functions eagerly (same results, no inductor).
+# The pods mount an emptyDir at $HOME (/home/rljob): the root filesystem is read-only.
 # vLLM's CPU kernels link libnuma
 RUN apt-get update \
  && apt-get install -y --no-install-recommends "libnuma1=2.0.16-1" \
@@ -44,7 +47,8 @@ ENV PATH=/opt/rljob/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/rljob \
     VLLM_CPU_KVCACHE_SPACE=1 \
-    VLLM_TARGET_DEVICE=cpu
+    VLLM_TARGET_DEVICE=cpu \
+    TORCH_COMPILE_DISABLE=1
 USER 65532:65532
 WORKDIR /home/rljob
 ENTRYPOINT ["python", "-m", "rljob_workers.main"]

@@ -994,7 +994,11 @@ class _SpecCommon(SpecModel):
     task: Task = Field(description="Prompts and reward.")
     rollout: Rollout = _nested(Rollout, "Rollout engines.")
     trainer: Trainer = _nested(Trainer, "Trainers.")
-    staleness: Staleness = _nested(Staleness, "Staleness bounds.")
+    staleness: Staleness = _nested(
+        Staleness,
+        "How old the data a trainer learns from may be: version bound, off-policy correction, "
+        "rollout hold (the policy-lag degrade rule is spec.degrade).",
+    )
     buffer: Buffer = _nested(Buffer, "Experience buffer.")
     weight_sync: WeightSync = _nested(WeightSync, "Weight synchronisation trainer → rollouts.")
     checkpoint: Checkpoint = _nested(Checkpoint, "Checkpointing.")
@@ -1195,6 +1199,24 @@ class KueueStatus(StatusModel):
     last_eviction: KueueEviction | None = Field(None, description="The latest eviction.")
 
 
+class RoleUtilization(StatusModel):
+    """Utilisation of one role, averaged over its processes' last reports."""
+
+    idle_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fraction of wall time the role waited (for experience, weights or the "
+        "other phase) over its last step.",
+    )
+    accelerator_utilization: float | None = Field(
+        None, ge=0, le=100, description="Mean GPU utilisation (%, NVML); absent without GPUs."
+    )
+    accelerator_utilization_stddev: float | None = Field(
+        None, ge=0, description="Fluctuation of GPU utilisation over the last step (%)."
+    )
+
+
 class RLJobStatus(StatusModel):
     """Observed state, written by the operator."""
 
@@ -1287,6 +1309,18 @@ class RLJobStatus(StatusModel):
     )
     kueue: KueueStatus | None = Field(
         None, description="Kueue admission (jobs with the label kueue.x-k8s.io/queue-name)."
+    )
+    utilization: dict[str, RoleUtilization] = Field(
+        default_factory=dict,
+        description="Per role (actor, rollout, trainer): idle fraction and GPU utilisation, "
+        "as last reported.",
+    )
+    plan_summary: str | None = Field(
+        None,
+        max_length=4096,
+        description="Recorded at creation (also as a Planned Event): why this topology (the "
+        "topology: auto rule that decided), the fit verdict and each role's pods with GPUs and "
+        "memory. rljob plan --model DIR gives the full memory estimate per pod.",
     )
 
 

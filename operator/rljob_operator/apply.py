@@ -49,6 +49,8 @@ def apply_plan(
                 apply_event(
                     kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE)
                 )
+            elif namespace_terminating(exc):
+                raise  # the job goes with its namespace: nothing to report
             elif exc.status in REFUSED:
                 refused.append(f"{obj['kind']} {obj['metadata']['name']}: {server_message(exc)}")
             else:
@@ -90,6 +92,11 @@ def apply_plan(
     for event in plan.events:
         apply_event(kube, job, event)
     return tuple(refused)
+
+
+def namespace_terminating(exc: ApiException) -> bool:
+    """The API server refused a write because the namespace is being deleted."""
+    return exc.status == 403 and "NamespaceTerminating" in str(exc.body)
 
 
 def server_message(exc: ApiException) -> str:
@@ -135,7 +142,10 @@ def apply_event(kube: Kube, job: dict[str, Any], event: EventSpec) -> None:
             return
         created = kube.create(_event_body(job, event.type, event.reason, message, now))
     except ApiException as exc:
-        log.warning("could not post event %s for %s: %s", event.reason, meta["name"], exc.reason)
+        if not namespace_terminating(exc):
+            log.warning(
+                "could not post event %s for %s: %s", event.reason, meta["name"], exc.reason
+            )
         return
     _posted[key] = (str(created["metadata"]["name"]), 1)
     while len(_posted) > _EVENT_CACHE_SIZE:

@@ -57,6 +57,7 @@ ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 ANNOTATION_RESTART_EPOCH = f"{GROUP}/restart-epoch"
 DEFAULT_IMAGE = "ghcr.io/rljob/rljob-worker:0.1.0-cpu"
 CONFIG_MOUNT = "/etc/rljob"
+HOME_MOUNT = "/home/rljob"  # an emptyDir: $HOME of the worker image, writable
 CHECKPOINT_MOUNT = "/checkpoints"
 MODEL_MOUNT = "/models"
 Role = Literal["actor", "rollout", "trainer"]
@@ -562,6 +563,9 @@ def _container(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # the root filesystem is read-only: vLLM, torch and HF write their caches under $HOME
+        {"name": "HOME", "value": HOME_MOUNT},
+        {"name": "XDG_CACHE_HOME", "value": f"{HOME_MOUNT}/.cache"},
     ]
     own = {e.name for e in spec.worker.env}
     env += [{"name": k, "value": v} for k, v in worker_env if k not in own]
@@ -570,6 +574,7 @@ def _container(
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "home", "mountPath": HOME_MOUNT},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     if spec.model.volume:
@@ -604,6 +609,7 @@ def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": configmap_name(job)}},
         {"name": "tmp", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.worker.shm_size)}},
     ]
     if spec.checkpoint.claim_name:

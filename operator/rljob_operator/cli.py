@@ -2,7 +2,8 @@
 
 ``rljob-operator`` (or ``python -m rljob_operator``) runs the controller, cluster-wide or in
 given namespaces, with a liveness endpoint and a Prometheus endpoint. ``rljob`` runs jobs locally
-(``rljob run job.yaml --local``) and prints the generated CRD (``rljob crd``).
+(``rljob run job.yaml --local``) or on the cluster of the current kubeconfig context
+(``rljob run job.yaml``: apply, then follow to the end) and prints the CRD (``rljob crd``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rljob_operator import __version__
 
@@ -240,6 +242,120 @@ def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -
         elector.release()
 
 
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="explain topology, fit, pods and memory per pod of a manifest without running it",
+    )
+    plan.add_argument("manifest", help="RLJob YAML")
+    plan.add_argument(
+        "--model",
+        default=None,
+        help="local model folder whose config.json sizes the estimate (default: spec.model.path "
+        "when it exists here)",
+    )
+    plan.add_argument("--kubeconfig", default=None, help="read the nodes' memory from a cluster")
+    plan.add_argument(
+        "--gpu-memory", default=None, help="memory per GPU, e.g. 80Gi (without --kubeconfig)"
+    )
+    plan.add_argument(
+        "--node-memory",
+        default=None,
+        help="memory a CPU pod can use, e.g. 64Gi (without --kubeconfig or resources.limits)",
+    )
+    plan.add_argument(
+        "--headroom", type=float, default=0.15, help="headroom to keep free (default 0.15)"
+    )
+    plan.add_argument(
+        "--prompt-tokens", type=int, default=64, help="assumed prompt length in tokens"
+    )
+    plan.add_argument("--matrix", default=None, help="matrix results JSON (default: committed)")
+    plan.add_argument("--output", choices=("text", "json"), default="text")
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """``rljob plan``: 0 when the plan fits (or cannot be sized), 1 when it cannot fit, 2 when
+    the manifest cannot be planned."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from rljob_operator.api import SpecError, parse_rljob
+    from rljob_operator.plan import (
+        ModelShape,
+        PlanError,
+        PodCapacity,
+        build_plan,
+        capacity_from_nodes,
+        parse_memory_quantity,
+        render_plan,
+    )
+
+    def fail(message: str) -> int:
+        print(f"rljob plan: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        job = parse_rljob(yaml.safe_load(Path(args.manifest).read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        return fail(f"cannot read {args.manifest}: {exc}")
+    except SpecError as err:
+        return fail(str(err))
+    try:
+        shape = None
+        model_dir = Path(args.model or job.spec.model.path)
+        if (model_dir / "config.json").is_file():
+            source = str(model_dir / "config.json")
+            shape = ModelShape.from_config(json.loads(Path(source).read_text()), source=source)
+        elif args.model:
+            return fail(f"--model: {model_dir} has no config.json; give a model folder")
+        if args.kubeconfig:
+            from rljob_operator.kube import Kube
+            from rljob_operator.observe import observe_nodes
+
+            capacity = capacity_from_nodes(observe_nodes(Kube.connect(args.kubeconfig)))
+        else:
+            gpu = args.gpu_memory and parse_memory_quantity(
+                args.gpu_memory, field_path="--gpu-memory"
+            )
+            host = args.node_memory and parse_memory_quantity(
+                args.node_memory, field_path="--node-memory"
+            )
+            capacity = PodCapacity(
+                gpu_bytes=gpu or None,
+                host_bytes=host or None,
+                source=f"{args.gpu_memory} per GPU (--gpu-memory)"
+                if args.gpu_memory
+                else f"--node-memory {args.node_memory}",
+            )
+        matrix = Path(args.matrix) if args.matrix else _committed_matrix()
+        data = json.loads(matrix.read_text()) if matrix.is_file() else {}
+        context = f"{data.get('model', '?')}, task {data.get('task', '?')}"
+        cells = [{**c, "measured_on": context} for c in data.get("cells", [])]
+        plan = build_plan(
+            job,
+            shape=shape,
+            capacity=capacity,
+            cells=cells,
+            headroom=args.headroom,
+            prompt_tokens=args.prompt_tokens,
+        )
+    except PlanError as err:
+        return fail(str(err))
+    if args.output == "json":
+        sys.stdout.write(json.dumps(plan.to_json(), indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(render_plan(plan))
+    return 1 if plan.verdict == "does-not-fit" else 0
+
+
+def _committed_matrix() -> Any:
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "bench" / "results" / "matrix.json"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rljob``."""
     parser = argparse.ArgumentParser(prog="rljob", description="RLJob tools.")
@@ -250,8 +366,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument(
         "--local",
         action="store_true",
-        required=True,
-        help="run the roles as local processes (the embedded default)",
+        help="run the roles as local processes (the embedded runtime); without it the job is "
+        "applied to the current kubeconfig context and followed (Ctrl-C detaches)",
+    )
+    run.add_argument("--namespace", "-n", default=None, help="cluster: namespace of the job")
+    run.add_argument("--kubeconfig", default=None, help="cluster: kubeconfig file")
+    run.add_argument(
+        "--delete-after", action="store_true", help="cluster: delete the job once it finished"
     )
     run.add_argument("--workdir", default=None, help="output folder (default runs/<job name>)")
     run.add_argument("--steps", type=int, default=None, help="override spec.totalSteps")
@@ -262,13 +383,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="build the tiny demo model (a small Qwen2 with a character tokenizer) where the model "
         "path points, if nothing is there yet",
     )
+    _add_plan_parser(sub)
     sub.add_parser("crd", help="print the generated CustomResourceDefinition")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_main(args)
     if args.command == "crd":
         from rljob_operator.crdgen import render_crd
 
         sys.stdout.write(render_crd())
         return 0
+    if not args.local:
+        for flag, value in (
+            ("--workdir", args.workdir),
+            ("--steps", args.steps),
+            ("--model", args.model),
+            ("--build-tiny-model", args.build_tiny_model),
+        ):
+            if value:
+                parser.error(f"{flag} needs --local (on a cluster, set it in the manifest)")
+        from rljob_operator.follow import run_manifest_on_cluster
+
+        return run_manifest_on_cluster(
+            args.manifest,
+            namespace=args.namespace,
+            kubeconfig=args.kubeconfig,
+            delete_after=args.delete_after,
+        )
     from rljob_operator.local import run_manifest_locally
 
     return run_manifest_locally(

@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_operator import metrics
 from rljob_operator.api import GROUP, PLURAL, VERSION
-from rljob_operator.apply import apply_plan, server_message
+from rljob_operator.apply import apply_plan, namespace_terminating, server_message
 from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import KUEUE_GROUP
@@ -96,7 +96,7 @@ async def _run_job(key: tuple[str, str]) -> None:
         try:
             step = await asyncio.to_thread(reconcile_once, namespace, name)
         except ApiException as exc:  # an expected API error: one line, no traceback
-            if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
+            if namespace_terminating(exc):
                 log.info("namespace %s is terminating; %s will go with it", namespace, name)
             else:
                 log.warning(

@@ -148,3 +148,8 @@ def _read_node(kube: Kube, name: str) -> tuple[bool, bool]:
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     taints = node.get("spec", {}).get("taints") or []
     return ready, any(t.get("key") == OUT_OF_SERVICE_TAINT for t in taints)
+
+
+def observe_nodes(kube: Kube) -> list[dict[str, Any]]:
+    """Every Node (``rljob plan --kubeconfig`` reads their allocatable and GPU labels)."""
+    return kube.list("v1", "Node", None)

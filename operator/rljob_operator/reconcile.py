@@ -62,6 +62,7 @@ from rljob_operator.kueue import (
     read_workload,
     workload_name,
 )
+from rljob_operator.plan import build_plan_summary
 from rljob_workers.config import (
     CONTROL_KEY,
     SCHEMA_KEY,
@@ -222,6 +223,29 @@ def _pod_phase(pod: dict[str, Any]) -> str:
     return str(pod.get("status", {}).get("phase", "Pending"))
 
 
+IMAGE_WAIT_REASONS = ("ErrImageNeverPull", "ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+
+
+def image_problem(pods: tuple[dict[str, Any], ...]) -> tuple[str, str] | None:
+    """(reason, message) when a pod's container waits for an image it cannot get, else None.
+
+    The kubelet's waiting reason is kept (ErrImageNeverPull, ImagePullBackOff, ...) and the
+    message names the pod, the image and what to do."""
+    for pod in sorted(pods, key=lambda p: str(p["metadata"]["name"])):
+        st = pod.get("status") or {}
+        for cs in [*st.get("initContainerStatuses", []), *st.get("containerStatuses", [])]:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason in IMAGE_WAIT_REASONS:
+                detail = waiting.get("message") or reason
+                return reason, (
+                    f"pod {pod['metadata']['name']}: image {cs.get('image')} is not available "
+                    f"({reason}: {detail}); build or load it on the node, or set spec.image "
+                    "(and spec.imagePullPolicy) to an image the nodes can get"
+                )
+    return None
+
+
 def _pod_ready(pod: dict[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return _pod_phase(pod) == "Running" and any(
@@ -355,6 +379,10 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     spec = job.spec
     topology = sticky_topology(spec, old)
     work = _Pass(status={k: v for k, v in old.items() if k != "conditions"})
+    if "resolvedTopology" not in old:  # the creation pass
+        summary = build_plan_summary(job, topology)
+        work.status["planSummary"] = summary
+        work.events.append(EventSpec("Normal", "Planned", summary))
     progress, mismatch = _parse_progress(observed, ref)
     if mismatch:
         work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
@@ -572,6 +600,28 @@ def _report_progress(
     rates = [p.tokens_per_second for p in progress if p.tokens_per_second is not None]
     if rates:
         work.status["tokensPerSecond"] = round(sum(rates), 1)
+    utilization = build_utilization_status(progress)
+    if utilization:
+        work.status["utilization"] = utilization
+
+
+def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, float]]:
+    """Per role, the mean over its processes of each reported utilisation number."""
+    fields = {
+        "idleFraction": "idle_fraction",
+        "acceleratorUtilization": "accelerator_util",
+        "acceleratorUtilizationStddev": "accelerator_util_std",
+    }
+    out: dict[str, dict[str, float]] = {}
+    for role in sorted({p.role for p in progress}):
+        entry = {}
+        for key, attr in fields.items():
+            values = [v for p in progress if p.role == role and (v := getattr(p, attr)) is not None]
+            if values:
+                entry[key] = round(sum(values) / len(values), 4)
+        if entry:
+            out[role] = entry
+    return out
 
 
 def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
@@ -920,6 +970,7 @@ def _finish_workload(ctx: _Job) -> tuple[WorkloadPatch, ...]:
 def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
     _fill_status(ctx, work)
     work.events[:0] = _transition_events(ctx.old, work.status)
+    work.events += _image_events(ctx.old, work.status)
     changed = work.status != ctx.stored
     converged = (
         not to_apply
@@ -973,6 +1024,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         )
         per_role[role] = {"ready": ready, "desired": desired}
     restarting = bool(work.hold_roles) or any(d.replace for d in work.delete)
+    problem = None
     if status.get("phase") not in FINISHED:
         if spec.suspend:
             status["phase"] = "Suspended"
@@ -982,6 +1034,9 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["phase"] = "Restarting"
         else:
             status["phase"] = "Pending"
+            problem = image_problem(observed.pods)
+            if problem:
+                status["message"] = problem[1]
         if spec.suspend or (status["phase"] == "Running" and not work.restarts):
             status.pop("message", None)
         waiting = _unschedulable(observed.pods) if status["phase"] == "Pending" else ""
@@ -1020,6 +1075,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         refused,
         work.pending_why,
         None if work.kueue is None or work.user_suspended or not work.kueue.hold else work.kueue,
+        problem,
     )
     if work.kueue is not None:
         value, reason, text = work.kueue.admitted
@@ -1060,9 +1116,13 @@ def _conditions(
     refused: tuple[str, ...] = (),
     pending_why: str = "",
     held: Gate | None = None,
+    waiting: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
+    waiting_reason, waiting_text = waiting or (
+        ("Unschedulable", pending_why) if pending_why else ("NotAllPodsReady", f"phase {phase}")
+    )
 
     def flag(
         on: bool, reason_on: str, text_on: str, reason_off: str, text_off: str = ""
@@ -1077,8 +1137,8 @@ def _conditions(
             phase in ("Running", "Degraded"),
             "AllPodsReady",
             "every pod of every role is ready",
-            "Unschedulable" if pending_why else "NotAllPodsReady",
-            pending_why or f"phase {phase}",
+            waiting_reason,
+            waiting_text,
         ),
         "Degraded": flag(
             bool(status.get("degradeAction")),
@@ -1111,6 +1171,22 @@ def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:
             if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
                 return f"{pod['metadata']['name']} unschedulable: {c.get('message', '')}"
     return ""
+
+
+def _image_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
+    """A Warning when the Running condition turns to an image problem (once, not every pass)."""
+
+    def running(status: dict[str, Any]) -> dict[str, Any]:
+        conditions = status.get("conditions", [])
+        return next((c for c in conditions if c.get("type") == "Running"), {})
+
+    now, before = running(new), running(old)
+    if now.get("reason") in IMAGE_WAIT_REASONS and (
+        before.get("reason"),
+        before.get("message"),
+    ) != (now["reason"], now.get("message")):
+        return [EventSpec("Warning", str(now["reason"]), str(now.get("message", "")))]
+    return []
 
 
 def _transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:

@@ -97,6 +97,21 @@ def test_build_pod_requests_gpus_and_is_locked_down() -> None:
     assert token_env["valueFrom"]["secretKeyRef"] == {"name": "demo-token", "key": "token"}
 
 
+def test_build_pod_read_only_root_puts_home_and_caches_on_an_empty_dir() -> None:
+    # vLLM writes ~/.cache at start: on a read-only root it died with EROFS in a real pod
+    job = load_example("grpo-colocated")
+    pod = build_pod(job.spec, REF, "actor", 0, topology="colocated", config_digest="abc")
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for path in (env["HOME"], env["XDG_CACHE_HOME"]):
+        writable = [m for m in mounts if path == m or path.startswith(m + "/")]
+        assert writable, f"{path} is on the read-only root"
+        assert "emptyDir" in volumes[mounts[max(writable, key=len)]]
+
+
 def test_build_pod_passes_scheduling_fields_through() -> None:
     scheduling = {
         "schedulerName": "volcano",

@@ -99,11 +99,22 @@ def test_reconcile_all_ready_becomes_running_then_no_change() -> None:
     assert running_cond["observedGeneration"] == 3
     assert plan.status["observedGeneration"] == 3
     assert plan.status["startTime"] == "2027-01-15T08:00:00Z"
-    assert [e.reason for e in plan.events] == ["Running"]
+    assert [e.reason for e in plan.events] == ["Running", "Planned"]  # first pass of the job
     converged = converge(observed)
     again = reconcile(converged, now=NOW + 60)
     assert again.empty, again
     assert again.requeue_after is None
+
+
+def test_reconcile_creation_records_plan_summary_once() -> None:
+    plan = reconcile(Observed(job=job_object("ppo-colocated")), now=NOW)
+    assert plan.status is not None
+    summary = plan.status["planSummary"]
+    assert summary.startswith("topology colocated: ppo is on-policy") and "(rule 2)" in summary
+    assert "2x actor (1 GPU" in summary
+    assert [e.message for e in plan.events if e.reason == "Planned"] == [summary]
+    again = reconcile(converge(observed_children(job_object("ppo-colocated"))), now=NOW + 1)
+    assert all(e.reason != "Planned" for e in again.events)
 
 
 def test_reconcile_existing_pods_are_never_recreated() -> None:
@@ -182,3 +193,36 @@ def test_reconcile_invalid_spec_fails_job_naming_field() -> None:
     assert [e.type for e in plan.events] == ["Warning"]
     again = reconcile(Observed(job={**raw, "status": plan.status}), now=NOW + 5)
     assert again.empty
+
+
+def test_reconcile_pod_without_its_image_reports_condition_and_one_event() -> None:
+    # a real kubelet leaves such a pod Pending forever; the job must say which image and why
+    observed = observed_children(job_object("grpo-colocated"))
+    pods = [copy.deepcopy(p) for p in observed.pods]
+    pods[0]["status"] = {
+        "phase": "Pending",
+        "containerStatuses": [
+            {
+                "name": "actor",
+                "image": "example.org/missing:1",
+                "ready": False,
+                "state": {
+                    "waiting": {
+                        "reason": "ErrImageNeverPull",
+                        "message": 'Container image "example.org/missing:1" is not present',
+                    }
+                },
+            }
+        ],
+    }
+    observed = Observed(**{**observed.__dict__, "pods": tuple(pods)})
+    plan = reconcile(observed, now=NOW)
+    assert plan.status is not None and plan.status["phase"] == "Pending"
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "Running")
+    assert (cond["status"], cond["reason"]) == ("False", "ErrImageNeverPull")
+    assert "example.org/missing:1" in cond["message"]
+    assert "grpo-colocated-actor-0" in cond["message"]
+    warnings = [e for e in plan.events if e.reason == "ErrImageNeverPull"]
+    assert len(warnings) == 1 and "example.org/missing:1" in warnings[0].message
+    again = reconcile(converge(observed), now=NOW + 5)
+    assert not [e for e in again.events if e.reason == "ErrImageNeverPull"]

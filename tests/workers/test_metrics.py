@@ -40,6 +40,9 @@ STEP = {
     "policy_lag_ms": 3.5,
     "policy_lag_versions": 0.0,
     "buffer_age_s": 0.2,
+    "idle_fraction": 0.25,
+    "accelerator_util": 71.0,
+    "accelerator_util_std": 9.5,
 }
 
 
@@ -67,6 +70,15 @@ def test_worker_metrics_endpoint_serves_every_step_gauge_with_labels(exporter):
     assert f"rljob_dropped_samples_total{{{dropped}}} 12.0" in text
     assert f"rljob_policy_lag_ms_distribution_count{{{labels}}} 1.0" in text
     assert f"rljob_step_time_seconds_count{{{labels}}} 1.0" in text
+
+
+def test_worker_metrics_accelerator_absent_on_cpu_is_not_exported_as_zero(exporter):
+    port = exporter.serve(0)
+    cpu_step = {k: v for k, v in STEP.items() if not k.startswith("accelerator")}
+    exporter.observe_step(cpu_step, lag_threshold_ms=50.0)
+    text = _scrape(port)
+    assert "rljob_idle_fraction{" in text
+    assert "rljob_accelerator_utilization_percent{" not in text
 
 
 def test_worker_metrics_lag_above_threshold_is_counted(exporter):

@@ -53,6 +53,7 @@ from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
 from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, mix_seed, score_groups
+from rljob_workers.utilization import account_colocated_step
 
 __all__ = [
     "ColocatedRuntime",
@@ -484,6 +485,8 @@ class _StepReporter(RoleReporter):
         nonfinite = int(record.get("dropped_nonfinite", 0))
         self.dropped["nonfinite_reward"] += nonfinite
         self.dropped["no_signal"] += int(record.get("dropped_samples", 0)) - nonfinite
+        account_colocated_step(self.idle_account, record)
+        record.update(self.utilization())
         self.record(record, dropped=dict(self.dropped))
         self.last_checkpoint = record.get("checkpoint") or self.last_checkpoint
         self.last_record = record
@@ -512,6 +515,9 @@ class _StepReporter(RoleReporter):
                 last_checkpoint=self.last_checkpoint,
                 tokens_per_second=record.get("tokens_per_s"),
                 reward_mean=finite_or_none(record.get("reward_mean")),
+                idle_fraction=finite_or_none(record.get("idle_fraction")),
+                accelerator_util=finite_or_none(record.get("accelerator_util")),
+                accelerator_util_std=finite_or_none(record.get("accelerator_util_std")),
                 done=done,
             )
         )

@@ -263,6 +263,15 @@ class Progress(_Model):
     tokens_per_second: float | None = None
     reward_mean: float | None = None
     starving: bool = Field(False, description="the trainer waited for experience this interval")
+    idle_fraction: float | None = Field(
+        None, description="fraction of wall time the role waited, over its last step"
+    )
+    accelerator_util: float | None = Field(
+        None, description="mean GPU utilisation (%, NVML); absent without a GPU"
+    )
+    accelerator_util_std: float | None = Field(
+        None, description="standard deviation of GPU utilisation over the last step (%)"
+    )
     done: bool = Field(False, description="totalSteps reached; the job may finish")
 
     @property

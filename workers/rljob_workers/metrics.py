@@ -8,7 +8,10 @@ file the local runner tails for its live display and final report.
 A step record is a flat JSON object. Keys every runtime writes (others may be added):
 ``step``, ``policy_version``, ``reward_mean``, ``kl``, ``entropy``, ``clip_fraction``,
 ``advantage_var``, ``tokens_per_s``, ``step_time_s``, ``policy_lag_ms``,
-``policy_lag_versions``, ``time``.
+``policy_lag_versions``, ``time``; and the utilisation keys of ``rljob_workers.utilization``
+(``idle_fraction``, ``idle_<reason>``, ``accelerator_util`` and ``accelerator_util_std`` where
+NVML sees a GPU). The JSONL line also carries ``role``, ``rank`` and ``peak_rss_mb`` (the
+process's peak resident memory so far).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import errno
 import json
 import logging
 import math
+import resource
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.heartbeat import heartbeat_from_env
+from rljob_workers.utilization import AcceleratorMonitor, IdleAccount
 
 __all__ = [
     "STEP_GAUGES",
@@ -51,6 +56,15 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "policy_lag_ms": ("rljob_policy_lag_ms", "optimizer.step() to engine serving the weights"),
     "policy_lag_versions": ("rljob_policy_lag_versions", "Versions the samples lagged"),
     "buffer_age_s": ("rljob_buffer_age_seconds", "Age of the oldest sample used or buffered"),
+    "idle_fraction": (
+        "rljob_idle_fraction",
+        "Fraction of wall time the role waited (experience, weights, the other phase)",
+    ),
+    "accelerator_util": ("rljob_accelerator_utilization_percent", "Mean GPU utilisation (NVML)"),
+    "accelerator_util_std": (
+        "rljob_accelerator_utilization_stddev",
+        "Fluctuation (standard deviation) of GPU utilisation over the step (NVML)",
+    ),
 }
 """Step-record key -> (Prometheus gauge name, help)."""
 
@@ -244,12 +258,21 @@ class RoleReporter:
             else None
         )
         self._dropped_exported: dict[str, int] = {}
+        self.idle_account = IdleAccount()
+        self.accelerator = AcceleratorMonitor()
+
+    def utilization(self) -> dict[str, float]:
+        """Idle fractions and accelerator utilisation since the previous call (record keys)."""
+        return {**self.idle_account.window(), **self.accelerator.window()}
 
     def record(
         self, record: Mapping[str, Any], *, dropped: Mapping[str, int] | None = None
     ) -> None:
         """Write one record; ``dropped`` (cumulative counts by reason) feeds the counters."""
-        self.sink.write({**record, "role": self.env.role, "rank": self.env.rank})
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        self.sink.write(
+            {**record, "role": self.env.role, "rank": self.env.rank, "peak_rss_mb": peak_rss_mb}
+        )
         self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
         for reason, total in (dropped or {}).items():
             self.exporter.count_dropped(reason, total - self._dropped_exported.get(reason, 0))
@@ -266,5 +289,6 @@ class RoleReporter:
 
     def close(self) -> None:
         """Close the JSONL file and stop the endpoint."""
+        self.accelerator.close()
         self.sink.close()
         self.exporter.close()

@@ -91,7 +91,9 @@ class RolloutWorker:
         token = env.token or token_from_env()
         base = f"http://{config.endpoints.trainer_host}"
         self.experience = ExperienceClient(f"{base}:{config.endpoints.experience_port}", token)
-        self.weights = WeightClient(f"{base}:{config.endpoints.weights_port}", token)
+        self.weights = WeightClient(
+            f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True
+        )
         self.task: TaskData = load_task_data(config.task)
         self.shard = shard_prompts(len(self.task.prompts), env.replica, env.world_size)
         boot_seed = secrets.randbits(31)
@@ -152,7 +154,8 @@ class RolloutWorker:
         control = self.control.poll()
         if control.paused:
             self._beat()
-            self.stop.wait(RETRY_S)
+            with self.reporter.idle_account.waiting("paused"):
+                self.stop.wait(RETRY_S)
             return
         self._load_latest(after=self.engine.weights_version, wait_s=0.0)
         if not self._may_generate(control):
@@ -160,12 +163,14 @@ class RolloutWorker:
         started = time.perf_counter()
         trajectories, tokens = self._generate()
         generated = time.perf_counter()
-        self._deliver(trajectories)
+        with self.reporter.idle_account.waiting("wait_trainer"):
+            self._deliver(trajectories)
         self.batches += 1
         self._record(trajectories, tokens, generated - started, time.perf_counter() - started)
         throttle = min(1.0, max(MIN_THROTTLE, control.rollout_throttle))
         if throttle < 1.0:
-            self.stop.wait((generated - started) * (1.0 / throttle - 1.0))
+            with self.reporter.idle_account.waiting("throttled"):
+                self.stop.wait((generated - started) * (1.0 / throttle - 1.0))
 
     def _may_generate(self, control: Control) -> bool:
         """Ask the trainer; hold back (waiting for newer weights) when too far behind."""
@@ -185,7 +190,8 @@ class RolloutWorker:
         if not must_hold(answer.policy_version, serving, limit):
             return True
         started = time.monotonic()
-        self._load_latest(after=serving, wait_s=HOLD_WAIT_S)
+        with self.reporter.idle_account.waiting("wait_weights"):
+            self._load_latest(after=serving, wait_s=HOLD_WAIT_S)
         self.held_s += time.monotonic() - started
         self._beat()
         return False
@@ -321,6 +327,7 @@ class RolloutWorker:
             "join_trainer_version": self.join_trainer_version,
             "first_generation_version": self.first_generation_version,
             "time": time.time(),
+            **self.reporter.utilization(),
         }
         self.records.append(record)
         self.reporter.record(record)
@@ -343,6 +350,9 @@ class RolloutWorker:
                 policy_lag_versions=finite_or_none(last.get("policy_lag_versions")),
                 tokens_per_second=finite_or_none(last.get("tokens_per_s")),
                 reward_mean=finite_or_none(last.get("reward_mean")),
+                idle_fraction=finite_or_none(last.get("idle_fraction")),
+                accelerator_util=finite_or_none(last.get("accelerator_util")),
+                accelerator_util_std=finite_or_none(last.get("accelerator_util_std")),
             )
         )
 

@@ -266,6 +266,7 @@ class TrainerWorker:
     def _train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
         groups, waited_s, starving = self._next_batch()
+        self.reporter.idle_account.add("wait_experience", waited_s)
         trained_at = time.perf_counter()
         flat = [t for group in groups for t in group]
         sampled_rewards, self._taken_rewards = self._taken_rewards, []
@@ -307,6 +308,7 @@ class TrainerWorker:
             **publish,
             **self._server_stats(),
             **metrics,
+            **self.reporter.utilization(),
         }
         return record
 
@@ -487,6 +489,9 @@ class TrainerWorker:
                 tokens_per_second=finite_or_none(last.get("tokens_per_s")),
                 reward_mean=finite_or_none(last.get("reward_mean")),
                 starving=self._starving,
+                idle_fraction=finite_or_none(last.get("idle_fraction")),
+                accelerator_util=finite_or_none(last.get("accelerator_util")),
+                accelerator_util_std=finite_or_none(last.get("accelerator_util_std")),
                 done=done,
             )
         )

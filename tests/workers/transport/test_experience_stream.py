@@ -303,3 +303,14 @@ def test_client_submit_beyond_max_pending_raises_buffer_error() -> None:
     with pytest.raises(BufferError, match="max_pending=2"):
         client.submit(make_trajectory(2))
     assert client.pending == 2
+
+
+def test_server_keepalive_connection_sends_without_nagle_delay(server) -> None:
+    client = ExperienceClient(server.url, TOKEN)
+    client.control(0)  # the connection stays open (keep-alive)
+
+    connections = list(server._http._server.connections)
+
+    assert connections
+    assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in connections)
+    client.close()

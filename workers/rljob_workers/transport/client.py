@@ -24,7 +24,12 @@ from urllib.parse import urlencode
 
 from rljob_workers.buffer import Trajectory
 from rljob_workers.transport.auth import AuthError, bearer_header, http_endpoint
-from rljob_workers.transport.codec import CONTENT_TYPE, encode_trajectories
+from rljob_workers.transport.codec import (
+    BINARY_CONTENT_TYPE,
+    FORMATS_HEADER,
+    JSON_CONTENT_TYPE,
+    encode_batch,
+)
 
 __all__ = ["ClientStats", "ControlAnswer", "ExperienceClient"]
 
@@ -54,6 +59,13 @@ class _Retryable(Exception):
     pass
 
 
+class _Unsupported(Exception):
+    """The server did not take a binary batch (415, or 400 from a JSON-only server)."""
+
+
+WIRE_FORMATS = ("auto", "json", "binary")
+
+
 class ExperienceClient:
     """Deliver trajectories to an ``ExperienceServer`` at ``url`` (e.g. ``http://trainer:29600``).
 
@@ -64,6 +76,10 @@ class ExperienceClient:
         max_pending: most unacked trajectories held; ``submit`` raises ``BufferError`` beyond.
         request_timeout_s: socket timeout of one request.
         backoff_initial_s, backoff_max_s: retry delays double from the first to the cap.
+        wire_format: ``auto`` (default) sends JSON lines until the server announces the binary
+            format in ``X-RLJob-Experience-Formats``, then binary frames, and falls back to JSON
+            lines when a server refuses a binary batch (an older trainer after a restart);
+            ``json`` and ``binary`` pin one format.
     """
 
     def __init__(
@@ -77,7 +93,12 @@ class ExperienceClient:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         seed: int | None = None,
+        wire_format: str = "auto",
     ) -> None:
+        if wire_format not in WIRE_FORMATS:
+            raise ValueError(f"wire_format: expected one of {WIRE_FORMATS}, got {wire_format!r}")
+        self.wire_format = wire_format
+        self._server_formats: frozenset[str] = frozenset()
         self._host, self._port = http_endpoint(url)
         self._headers = bearer_header(token)
         self.batch_size = batch_size
@@ -116,8 +137,13 @@ class ExperienceClient:
         acked = 0
         while self._pending:
             batch = list(itertools.islice(self._pending.values(), self.batch_size))
-            body = encode_trajectories(batch)
-            answer = self._request("POST", "/v1/experience", body, deadline)
+            content_type = self.batch_content_type
+            body = encode_batch(batch, content_type)
+            try:
+                answer = self._request("POST", "/v1/experience", body, deadline, content_type)
+            except _Unsupported:
+                self._server_formats = frozenset({JSON_CONTENT_TYPE})
+                continue
             self.stats.batches_sent += 1
             self.stats.bytes_sent += len(body)
             self.stats.duplicates += int(answer.get("duplicates", 0))
@@ -133,6 +159,15 @@ class ExperienceClient:
         for trajectory in trajectories:
             self.submit(trajectory)
         return self.flush(timeout_s)
+
+    @property
+    def batch_content_type(self) -> str:
+        """The format the next batch goes out in (see ``wire_format``)."""
+        if self.wire_format == "binary" or (
+            self.wire_format == "auto" and BINARY_CONTENT_TYPE in self._server_formats
+        ):
+            return BINARY_CONTENT_TYPE
+        return JSON_CONTENT_TYPE
 
     def control(self, version: int, timeout_s: float = 10.0) -> ControlAnswer:
         """Ask the trainer for its policy version and whether ``version`` must hold back."""
@@ -152,11 +187,18 @@ class ExperienceClient:
             self._conn.close()
             self._conn = None
 
-    def _request(self, method: str, path: str, body: bytes | None, deadline: float) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        deadline: float,
+        content_type: str = JSON_CONTENT_TYPE,
+    ) -> Any:
         delay = self.backoff[0]
         while True:
             try:
-                return self._request_once(method, path, body, deadline)
+                return self._request_once(method, path, body, deadline, content_type)
             except _Retryable as err:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -168,9 +210,11 @@ class ExperienceClient:
                 time.sleep(min(self._rng.uniform(delay / 2, delay), remaining))
                 delay = min(delay * 2, self.backoff[1])
 
-    def _request_once(self, method: str, path: str, body: bytes | None, deadline: float) -> Any:
+    def _request_once(
+        self, method: str, path: str, body: bytes | None, deadline: float, content_type: str
+    ) -> Any:
         timeout = max(0.05, min(self.request_timeout_s, deadline - time.monotonic()))
-        headers = {**self._headers, "Content-Type": CONTENT_TYPE}
+        headers = {**self._headers, "Content-Type": content_type}
         try:
             conn = self._connection(timeout)
             conn.request(method, path, body=body, headers=headers)
@@ -181,6 +225,15 @@ class ExperienceClient:
             raise _Retryable(f"{type(err).__name__}: {err}") from None
         if response.will_close:
             self.close()
+        if response.status == 200:
+            announced = response.getheader(FORMATS_HEADER) or ""
+            self._server_formats = frozenset(f.strip() for f in announced.split(",") if f.strip())
+        if (
+            self.wire_format == "auto"
+            and content_type == BINARY_CONTENT_TYPE
+            and response.status in (400, 415)
+        ):
+            raise _Unsupported
         return self._interpret(response.status, payload)
 
     def _interpret(self, status: int, payload: bytes) -> Any:

@@ -1,4 +1,12 @@
-"""Wire format of the experience stream: JSON lines, one trajectory per line.
+"""Wire formats of the experience stream: JSON lines (v0) and binary frames (v1).
+
+The client names the format of each batch in ``Content-Type``; the server answers which formats
+it takes in ``X-RLJob-Experience-Formats`` (see ``server``). An old client only ever sends JSON
+lines and an old server only reads them, so each side falls back to JSON when the other does not
+announce binary: a rollout and a trainer one version apart still talk.
+
+JSON lines
+----------
 
 A batch is the request body of ``POST /v1/experience`` (``Content-Type: application/x-ndjson``)::
 
@@ -13,20 +21,64 @@ are written with Python's shortest round-trip ``repr``, so logprobs arrive bit-i
 
 Compatibility: unknown keys are ignored, so a newer rollout can add fields without breaking an
 older trainer; a missing or mistyped known field is an error naming the line and field.
+
+Binary frames (``application/vnd.rljob.trajectories.v1``)
+----------------------------------------------------------
+
+With trajectories of thousands of tokens, JSON spends its time printing and parsing numbers
+(about 20 bytes and a float parse per log-prob). The binary batch carries the same fields with the
+token arrays as raw little-endian arrays, so encoding and decoding are array copies::
+
+    batch  = b"RLT1" count:u32 frame*count
+    frame  = meta_len:u32 n_prompt:u32 n_response:u32 n_logprobs:u32 lp_width:u8 pad:3
+             meta:meta_len bytes       (JSON object: id, policy_version, created_at, reward,
+                                        group_id, info; unknown keys ignored, as in JSON lines)
+             prompt_ids:int32[n_prompt] response_ids:int32[n_response]
+             behaviour_logprobs:float<lp_width*8>[n_logprobs]
+
+Every length is in the fixed frame header, so a reader knows each frame's size before touching
+it. Log-probs travel as float32 (``lp_width`` 4) when every value survives the round trip
+through float32 exactly (vLLM's do) and as float64 (8) otherwise, so they arrive bit-identical
+either way. Token ids must fit in int32 (every vocabulary does).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from rljob_workers.buffer import Trajectory
 
-__all__ = ["CONTENT_TYPE", "decode_trajectories", "encode_trajectories", "trajectory_to_dict"]
+__all__ = [
+    "BINARY_CONTENT_TYPE",
+    "CONTENT_TYPE",
+    "FORMATS_HEADER",
+    "JSON_CONTENT_TYPE",
+    "decode_batch",
+    "decode_binary",
+    "decode_trajectories",
+    "encode_batch",
+    "encode_binary",
+    "encode_trajectories",
+    "media_type",
+    "trajectory_to_dict",
+]
 
-CONTENT_TYPE = "application/x-ndjson"
+JSON_CONTENT_TYPE = "application/x-ndjson"
+CONTENT_TYPE = JSON_CONTENT_TYPE
+BINARY_CONTENT_TYPE = "application/vnd.rljob.trajectories.v1"
+FORMATS_HEADER = "X-RLJob-Experience-Formats"
+_MAGIC = b"RLT1"
+_COUNT = struct.Struct("<I")
+_FRAME = struct.Struct("<IIIIB3x")
+_LITTLE = sys.byteorder == "little"
 
 
 def trajectory_to_dict(trajectory: Trajectory) -> dict[str, Any]:
@@ -48,6 +100,147 @@ def encode_trajectories(trajectories: Iterable[Trajectory]) -> bytes:
     """Serialise trajectories as JSON lines (UTF-8, ``\\n``-terminated)."""
     lines = (json.dumps(trajectory_to_dict(t), separators=(",", ":")) for t in trajectories)
     return "".join(line + "\n" for line in lines).encode()
+
+
+def media_type(content_type: str | None) -> str:
+    """The bare media type of a ``Content-Type`` value (parameters and case dropped); a missing
+    header means JSON lines, what every client before the binary format sent."""
+    if not content_type:
+        return JSON_CONTENT_TYPE
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def encode_batch(trajectories: Sequence[Trajectory], content_type: str) -> bytes:
+    """Serialise ``trajectories`` in the format named by ``content_type``."""
+    if media_type(content_type) == BINARY_CONTENT_TYPE:
+        return encode_binary(trajectories)
+    return encode_trajectories(trajectories)
+
+
+def decode_batch(body: bytes, content_type: str | None) -> list[Trajectory]:
+    """Parse a batch sent as ``content_type``; ``ValueError`` for an unknown type or bad body."""
+    kind = media_type(content_type)
+    if kind == BINARY_CONTENT_TYPE:
+        return decode_binary(body)
+    if kind == JSON_CONTENT_TYPE:
+        return decode_trajectories(body)
+    raise ValueError(
+        f"Content-Type {content_type!r}: expected {JSON_CONTENT_TYPE} or {BINARY_CONTENT_TYPE}"
+    )
+
+
+def encode_binary(trajectories: Sequence[Trajectory]) -> bytes:
+    """Serialise trajectories as binary frames (see the module docstring)."""
+    parts: list[bytes] = [_MAGIC, _COUNT.pack(len(trajectories))]
+    for trajectory in trajectories:
+        meta = json.dumps(_meta(trajectory), separators=(",", ":")).encode()
+        prompt = _int32_bytes(trajectory.prompt_ids, trajectory.id, "prompt_ids")
+        response = _int32_bytes(trajectory.response_ids, trajectory.id, "response_ids")
+        width, logprobs = _logprob_bytes(trajectory.behaviour_logprobs)
+        parts.append(
+            _FRAME.pack(
+                len(meta),
+                len(trajectory.prompt_ids),
+                len(trajectory.response_ids),
+                len(trajectory.behaviour_logprobs),
+                width,
+            )
+        )
+        parts += [meta, prompt, response, logprobs]
+    return b"".join(parts)
+
+
+def decode_binary(body: bytes) -> list[Trajectory]:
+    """Parse a binary batch; ``ValueError`` names the 1-based frame and what is wrong."""
+    view = memoryview(body)
+    if bytes(view[:4]) != _MAGIC or len(view) < 8:
+        raise ValueError(f"binary batch: expected magic {_MAGIC!r} and a count")
+    (count,) = _COUNT.unpack_from(view, 4)
+    offset, trajectories = 8, []
+    for number in range(1, count + 1):
+        try:
+            trajectory, offset = _decode_frame(view, offset)
+        except (ValueError, TypeError, struct.error) as err:
+            raise ValueError(f"frame {number}: {err}") from None
+        trajectories.append(trajectory)
+    if offset != len(view):
+        raise ValueError(f"binary batch: {len(view) - offset} bytes after the last frame")
+    return trajectories
+
+
+def _meta(trajectory: Trajectory) -> dict[str, Any]:
+    return {
+        "id": trajectory.id,
+        "policy_version": trajectory.policy_version,
+        "created_at": trajectory.created_at,
+        "reward": trajectory.reward,
+        "group_id": trajectory.group_id,
+        "info": trajectory.info,
+    }
+
+
+def _int32_bytes(values: Sequence[int], trajectory_id: str, name: str) -> bytes:
+    try:
+        packed = array("i", values)
+    except (OverflowError, TypeError) as err:
+        raise ValueError(f"trajectory {trajectory_id!r} field {name!r}: {err}") from None
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _logprob_bytes(values: Sequence[float]) -> tuple[int, bytes]:
+    packed = array("d", values)
+    if not _LITTLE:
+        packed.byteswap()
+    wide = np.frombuffer(packed, dtype="<f8")
+    narrow = wide.astype("<f4")
+    if np.array_equal(narrow.astype("<f8"), wide):
+        return 4, narrow.tobytes()
+    return 8, wide.tobytes()
+
+
+def _decode_frame(view: memoryview, offset: int) -> tuple[Trajectory, int]:
+    meta_len, n_prompt, n_response, n_logprobs, width = _FRAME.unpack_from(view, offset)
+    if width not in (4, 8):
+        raise ValueError(f"log-prob width {width}: expected 4 or 8")
+    start = offset + _FRAME.size
+    end = start + meta_len + 4 * (n_prompt + n_response) + width * n_logprobs
+    if end > len(view):
+        raise ValueError(f"frame needs {end - offset} bytes, {len(view) - offset} left")
+    meta = json.loads(bytes(view[start : start + meta_len]))
+    cursor = start + meta_len
+    prompt, cursor = _take(view, cursor, "i", n_prompt)
+    response, cursor = _take(view, cursor, "i", n_response)
+    logprobs, cursor = _take(view, cursor, "f" if width == 4 else "d", n_logprobs)
+    if not isinstance(meta, dict):
+        raise ValueError("meta: expected a JSON object")
+    meta.update(prompt_ids=prompt, response_ids=response, behaviour_logprobs=logprobs)
+    return _trusted_arrays(meta), cursor
+
+
+def _take(view: memoryview, offset: int, code: str, count: int) -> tuple[list[Any], int]:
+    values = array(code)
+    end = offset + values.itemsize * count
+    values.frombytes(view[offset:end])
+    if not _LITTLE:
+        values.byteswap()
+    return values.tolist(), end
+
+
+def _trusted_arrays(obj: dict[str, Any]) -> Trajectory:
+    """A trajectory from decoded meta plus arrays that are well-typed by construction."""
+    return Trajectory(
+        id=_field(obj, "id", str),
+        policy_version=_field(obj, "policy_version", int),
+        created_at=_number(obj, "created_at"),
+        prompt_ids=obj["prompt_ids"],
+        response_ids=obj["response_ids"],
+        behaviour_logprobs=obj["behaviour_logprobs"],
+        reward=_number(obj, "reward"),
+        group_id=_field(obj, "group_id", str),
+        info=_info(obj),
+    )
 
 
 def decode_trajectories(body: bytes) -> list[Trajectory]:

@@ -2,7 +2,9 @@
 
 Endpoints (all but ``/healthz`` need ``Authorization: Bearer <job token>``):
 
-- ``POST /v1/experience`` — a JSON-lines batch (see ``codec``). Every trajectory is offered to
+- ``POST /v1/experience`` — a batch in JSON lines or binary frames, as its ``Content-Type``
+  says (see ``codec``; no ``Content-Type`` means JSON lines; any other type is answered 415).
+  Every trajectory is offered to
   the sink before the answer is sent, so an ack means "accepted into the buffer" (or dropped
   for a reason retrying cannot fix: stale, expired, capacity). Answer::
 
@@ -16,6 +18,10 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <job token>``):
   ``hold`` is true when ``policy_version - N > max_versions`` (the buffer's staleness rule,
   ``buffer.is_too_stale``: what it generated now would be dropped): the rollout should fetch
   newer weights before generating more (never true when the bound is unset).
+
+Every answer of these two endpoints carries ``X-RLJob-Experience-Formats``, the batch formats
+this server reads (``formats``); a client switches to binary only once it has seen binary there,
+so a new rollout keeps sending JSON lines to an old trainer (which sends no such header).
 
 De-duplication: ids seen by this server are remembered, so a batch re-sent after a lost ack is
 acked again but offered to the sink only once; an ``ExperienceBuffer`` sink de-duplicates by id as
@@ -41,7 +47,13 @@ from rljob_workers.transport.authhttp import (
     Response,
     json_response,
 )
-from rljob_workers.transport.codec import decode_trajectories
+from rljob_workers.transport.codec import (
+    BINARY_CONTENT_TYPE,
+    FORMATS_HEADER,
+    JSON_CONTENT_TYPE,
+    decode_batch,
+    media_type,
+)
 
 __all__ = ["ExperienceServer", "ServerStats", "should_hold"]
 
@@ -58,6 +70,7 @@ class ServerStats:
     """Counts since the server started."""
 
     batches: int = 0
+    binary_batches: int = 0
     accepted: int = 0
     duplicates: int = 0
     dropped: int = 0
@@ -74,6 +87,8 @@ class ExperienceServer:
         max_versions: the staleness bound for the control channel; None disables holding.
         host, port: where to listen; port 0 picks a free port (see ``address``).
         clock: wall-clock seconds, the clock trajectories' ``created_at`` is on.
+        formats: the batch media types accepted and announced (default: binary and JSON
+            lines); JSON lines alone behaves like a server from before the binary format.
 
     The trainer must hold ``locked()`` while it reads or takes from a buffer sink.
     """
@@ -88,7 +103,16 @@ class ExperienceServer:
         port: int = 0,
         clock: Callable[[], float] = time.time,
         max_body_bytes: int = 64 << 20,
+        formats: tuple[str, ...] = (BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE),
     ) -> None:
+        unknown = set(formats) - {BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE}
+        if unknown or not formats:
+            raise ValueError(
+                f"formats: expected a non-empty subset of {BINARY_CONTENT_TYPE!r} and "
+                f"{JSON_CONTENT_TYPE!r}, got {formats!r}"
+            )
+        self.formats = formats
+        self._formats_header = {FORMATS_HEADER: ", ".join(formats)}
         self.sink = sink
         self.max_versions = max_versions
         self.stats = ServerStats()
@@ -150,19 +174,29 @@ class ExperienceServer:
         self.close()
 
     def _receive(self, request: Request) -> Response:
+        content_type = _header(request, "Content-Type")
+        if media_type(content_type) not in self.formats:
+            return json_response(
+                {"error": f"Content-Type {content_type!r}: send one of {list(self.formats)}"},
+                415,
+                self._formats_header,
+            )
         try:
-            trajectories = decode_trajectories(request.body)
+            trajectories = decode_batch(request.body, content_type)
         except ValueError as err:
             raise BadRequest(str(err)) from None
         with self._lock:
             if self._http.closing.is_set():
-                return json_response({"error": "shutting down"}, 503)
+                return json_response({"error": "shutting down"}, 503, self._formats_header)
             counts = self._offer_all(trajectories)
             self.stats.batches += 1
+            self.stats.binary_batches += media_type(content_type) == BINARY_CONTENT_TYPE
             self.stats.bytes_received += len(request.body)
             version = self._version
         acked = [t.id for t in trajectories]
-        return json_response({"acked": acked, **counts, "policy_version": version})
+        return json_response(
+            {"acked": acked, **counts, "policy_version": version}, headers=self._formats_header
+        )
 
     def _offer_all(self, trajectories: list[Trajectory]) -> dict[str, int]:
         counts = {"accepted": 0, "duplicates": 0, "dropped": 0}
@@ -199,5 +233,12 @@ class ExperienceServer:
                 "max_versions": self.max_versions,
                 "behind": current - rollout_version,
                 "hold": should_hold(current, rollout_version, self.max_versions),
-            }
+            },
+            headers=self._formats_header,
         )
+
+
+def _header(request: Request, name: str) -> str | None:
+    """A request header, case-insensitively (HTTP header names are)."""
+    wanted = name.lower()
+    return next((v for k, v in request.headers.items() if k.lower() == wanted), None)

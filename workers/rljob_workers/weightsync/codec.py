@@ -17,26 +17,38 @@ Compression applies to floating-point tensors only (integer buffers travel uncha
 
 Receivers decode back to the original dtypes. An uncompressed payload is a plain safetensors
 file that vLLM's ``reload_weights`` and ``safetensors.torch.load_file`` read directly.
+
+Streaming: ``build_payload`` writes the safetensors header itself and keeps the wire tensors as
+they are (``WirePayload``), so a server sends each tensor's memory straight to the socket and
+``read_payload`` reads each tensor straight from the socket into its own storage: no whole-model
+``bytes`` is ever built on either side. Compression works on whole tensors (one per-tensor max
+for every fp8 scale in a single ``_foreach_norm``, then a cast per tensor); nothing loops in
+Python per element. The payload is the same safetensors file either way, so senders and
+receivers from before streaming and after it read each other.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 __all__ = [
     "COMPRESSIONS",
     "FP8_MAX",
     "Compression",
     "DecodedWeights",
+    "TensorPool",
+    "WirePayload",
+    "build_payload",
+    "compress_state",
     "compress_tensor",
     "decode_weights",
     "decompress_tensor",
@@ -44,6 +56,7 @@ __all__ = [
     "fp8_scale",
     "raw_nbytes",
     "read_metadata",
+    "read_payload",
     "wire_dtype",
 ]
 
@@ -52,6 +65,23 @@ COMPRESSIONS: tuple[Compression, ...] = ("none", "bf16", "fp8")
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 _BF16_INPUTS = {torch.float32, torch.float16, torch.float64}
 _FP8_INPUTS = _BF16_INPUTS | {torch.bfloat16}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
+_MAX_HEADER = 100 << 20
+ReadInto = Callable[[memoryview], int | None]
 
 
 @dataclass(frozen=True)
@@ -80,10 +110,8 @@ def wire_dtype(dtype: torch.dtype, compression: Compression) -> torch.dtype:
 
 def fp8_scale(tensor: torch.Tensor, name: str = "tensor") -> float:
     """The per-tensor fp8 scale ``amax / 448`` (1.0 for an all-zero or empty tensor)."""
-    amax = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
-    if not math.isfinite(amax):
-        raise ValueError(f"{name}: holds non-finite values and cannot be fp8-compressed")
-    return amax / FP8_MAX if amax > 0 else 1.0
+    low, high = _extremes(tensor).tolist()
+    return _scale_of(max(-low, high), name)
 
 
 def compress_tensor(
@@ -120,26 +148,132 @@ def raw_nbytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def encode_weights(
+class TensorPool:
+    """Tensors kept for reuse by key: ``take`` hands the same storage back while shape and dtype
+    match. A repeated transfer then writes into memory already mapped: a fresh allocation of
+    hundreds of MB costs page faults that take as long as the copy itself.
+
+    Whoever owns a pool decides when its tensors may be overwritten (the next ``take``).
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def take(self, key: str, shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` for ``key`` (contents undefined)."""
+        tensor = self._tensors.get(key)
+        if tensor is None or tensor.shape != torch.Size(shape) or tensor.dtype != dtype:
+            tensor = torch.empty(shape, dtype=dtype)
+            self._tensors[key] = tensor
+        return tensor
+
+
+def _take(
+    pool: TensorPool | None, key: str, shape: torch.Size | list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype) if pool is None else pool.take(key, shape, dtype)
+
+
+@dataclass(frozen=True)
+class WirePayload:
+    """A safetensors payload kept as its header plus the wire tensors (no joined copy).
+
+    ``header`` is the 8-byte length and the JSON header; ``tensors`` are contiguous CPU
+    tensors in data order. ``chunks()`` are the byte views to send, in order.
+    """
+
+    version: int
+    header: bytes
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire (the size of the safetensors file)."""
+        return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def chunks(self) -> list[memoryview]:
+        """The header and each tensor's bytes, zero-copy."""
+        return [memoryview(self.header), *(_byte_view(t) for t in self.tensors if t.numel())]
+
+    def to_bytes(self) -> bytes:
+        """The whole payload as one ``bytes`` (a safetensors file)."""
+        return b"".join(self.chunks())
+
+
+def compress_state(
+    state: Mapping[str, torch.Tensor],
+    compression: Compression,
+    *,
+    pool: TensorPool | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``(wire tensors, fp8 scales)`` for a whole state dict, on CPU and contiguous.
+
+    Uncompressed tensors are snapshotted (copied), so the trainer may keep updating its
+    parameters while a payload is being sent. fp8 scales come from one ``aminmax`` per tensor.
+    With ``pool`` the wire tensors (and the fp8 scratch) are taken from it.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
+    sources = {name: t.detach().to("cpu") for name, t in state.items()}
+    scales = _fp8_scales(sources) if compression == "fp8" else {}
+    wire: dict[str, torch.Tensor] = {}
+    for name, source in sources.items():
+        target = wire_dtype(source.dtype, compression)
+        packed = _take(pool, name, source.shape, target)
+        if name not in scales:
+            wire[name] = packed.copy_(source)
+            continue
+        scratch = _take(pool, "#scratch", [max(1, source.numel())], torch.float32)
+        scaled = scratch[: source.numel()].view(source.shape)
+        if source.dtype == torch.float32:
+            torch.div(source, scales[name], out=scaled)
+        else:  # divide in float32, as compress_tensor does, not in the source's precision
+            scaled.copy_(source).div_(scales[name])
+        # No clamp: |x| <= amax puts x / scale within 448 * (1 + 2**-23), and the fp8 cast rounds
+        # everything below 464 to at most 448 (test_compress_state_fp8_bytes_equal_...).
+        wire[name] = packed.copy_(scaled)
+    return wire, scales
+
+
+def _fp8_scales(sources: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    names = [n for n, t in sources.items() if t.dtype in _FP8_INPUTS]
+    extremes = torch.stack([_extremes(sources[n]) for n in names]).tolist() if names else []
+    scales = {}
+    for name, (low, high) in zip(names, extremes, strict=True):
+        scales[name] = _scale_of(max(-low, high), name)
+    return scales
+
+
+def _extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` as float32 in one pass (``aminmax``: ~5x faster than ``abs().max()``)."""
+    if not tensor.numel():
+        return torch.zeros(2)
+    low, high = torch.aminmax(tensor.detach())
+    return torch.stack([low.float(), high.float()])
+
+
+def _scale_of(amax: float, name: str) -> float:
+    if not math.isfinite(amax):
+        raise ValueError(f"{name}: holds non-finite values and cannot be fp8-compressed")
+    return amax / FP8_MAX if amax > 0 else 1.0
+
+
+def build_payload(
     version: int,
     state: Mapping[str, torch.Tensor],
     compression: Compression = "none",
     *,
     published_at: float = 0.0,
-) -> bytes:
-    """Serialise ``state`` (any device) as a versioned safetensors payload."""
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
-    wire: dict[str, torch.Tensor] = {}
-    dtypes: dict[str, str] = {}
-    scales: dict[str, float] = {}
-    for name, tensor in state.items():
-        packed, scale = compress_tensor(tensor.detach().cpu(), compression, name)
-        wire[name] = packed
-        if packed.dtype != tensor.dtype:
-            dtypes[name] = str(tensor.dtype).removeprefix("torch.")
-        if scale is not None:
-            scales[name] = scale
+    pool: TensorPool | None = None,
+) -> WirePayload:
+    """Compress ``state`` (any device) into a ``WirePayload`` for ``version`` (wire tensors
+    taken from ``pool`` when given)."""
+    wire, scales = compress_state(state, compression, pool=pool)
+    dtypes = {
+        name: str(state[name].dtype).removeprefix("torch.")
+        for name, tensor in wire.items()
+        if tensor.dtype != state[name].dtype
+    }
     metadata = {
         "format": "pt",
         "rljob.version": str(version),
@@ -148,7 +282,150 @@ def encode_weights(
         "rljob.dtypes": json.dumps(dtypes),
         "rljob.scales": json.dumps(scales),
     }
-    return save_safetensors(_unshare(wire), metadata=metadata)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in wire.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors code")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return WirePayload(version, struct.pack("<Q", len(encoded)) + encoded, tuple(wire.values()))
+
+
+def encode_weights(
+    version: int,
+    state: Mapping[str, torch.Tensor],
+    compression: Compression = "none",
+    *,
+    published_at: float = 0.0,
+) -> bytes:
+    """Serialise ``state`` (any device) as a versioned safetensors payload."""
+    return build_payload(version, state, compression, published_at=published_at).to_bytes()
+
+
+def read_payload(
+    read_into: ReadInto, *, wire_bytes: int | None = None, pool: TensorPool | None = None
+) -> DecodedWeights:
+    """Read a payload from a stream, each tensor straight into its own storage, and decompress.
+
+    ``read_into(view)`` reads up to ``len(view)`` bytes into ``view`` and returns how many
+    (``readinto`` of a file, socket or ``http.client`` response). Any safetensors file with our
+    metadata is accepted, whoever wrote it. With ``pool`` the tensors are taken from it: they
+    stay valid until the next read with the same pool.
+    """
+    prefix = bytearray(8)
+    _fill(read_into, memoryview(prefix), "the header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > _MAX_HEADER:
+        raise ValueError(f"weights payload: header of {header_len} bytes is not plausible")
+    raw_header = bytearray(header_len)
+    _fill(read_into, memoryview(raw_header), "the header")
+    header = json.loads(raw_header)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or "rljob.version" not in metadata:
+        raise ValueError("weights payload: no rljob.version in the safetensors metadata")
+    compression = metadata.get("rljob.compression", "none")
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"weights payload: unknown compression {compression!r}")
+    dtypes = json.loads(metadata.get("rljob.dtypes", "{}"))
+    scales = json.loads(metadata.get("rljob.scales", "{}"))
+    tensors: dict[str, torch.Tensor] = {}
+    position = 0
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        wire = _read_tensor(read_into, name, entry, position, pool)
+        position = entry["data_offsets"][1]
+        dtype = _dtype(dtypes.get(name), wire.dtype)
+        tensors[name] = _decompress(wire, scales.get(name), dtype, pool, name)
+    return DecodedWeights(
+        version=int(metadata["rljob.version"]),
+        compression=compression,
+        published_at=float(metadata.get("rljob.published_at", "0")),
+        tensors=dict(sorted(tensors.items())),
+        wire_bytes=8 + header_len + position if wire_bytes is None else wire_bytes,
+    )
+
+
+def _read_tensor(
+    read_into: ReadInto, name: str, entry: Any, position: int, pool: TensorPool | None
+) -> torch.Tensor:
+    try:
+        start, end = entry["data_offsets"]
+        dtype = _TORCH_DTYPES[entry["dtype"]]
+        shape = [int(d) for d in entry["shape"]]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"weights payload: tensor {name!r} has a malformed header entry") from None
+    tensor = _take(pool, f"{name}#wire", shape, dtype)
+    if start != position or end - start != tensor.numel() * tensor.element_size():
+        raise ValueError(
+            f"weights payload: tensor {name!r} at bytes {start}..{end} does not follow byte "
+            f"{position} with {tensor.numel() * tensor.element_size()} bytes"
+        )
+    if tensor.numel():
+        _fill(read_into, _byte_view(tensor), f"tensor {name!r}")
+    return tensor
+
+
+def _decompress(
+    wire: torch.Tensor,
+    scale: float | None,
+    dtype: torch.dtype,
+    pool: TensorPool | None = None,
+    name: str = "",
+) -> torch.Tensor:
+    if scale is None:
+        return wire if wire.dtype == dtype else _take(pool, name, wire.shape, dtype).copy_(wire)
+    out = _fp8_to_float32(wire, scale, _take(pool, name, wire.shape, torch.int32))
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+_FP8_SIGN_AND_BITS = 0x87F00000 - (1 << 32)  # int32 mask: bit 31 and bits 20..26
+
+
+def _fp8_to_float32(
+    wire: torch.Tensor, scale: float, bits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``wire.float() * scale`` for float8_e4m3fn, bit-identical and ~5x faster on CPU.
+
+    torch's fp8 -> fp32 cast is scalar code; this moves the bits with three in-place integer
+    ops instead: the byte, sign-extended to int32 and shifted left 24 then arithmetically right
+    4, has the sign in bit 31 and exponent+mantissa in bits 20..26 once the copies of the sign
+    in bits 27..30 are masked off. That float32 is the fp8 value times 2**-120 (exact for normal
+    and subnormal values); one multiply by ``scale * 2**120`` restores it. ``bits`` is an
+    int32 tensor of ``wire``'s shape to write into. fp8 NaN (never produced by
+    ``compress_state``, whose values stay within 448) reads as +-480 * scale.
+    """
+    out = torch.empty(wire.shape, dtype=torch.int32) if bits is None else bits
+    out.copy_(wire.view(torch.int8))
+    out.bitwise_left_shift_(24).bitwise_right_shift_(4).bitwise_and_(_FP8_SIGN_AND_BITS)
+    values = out.view(torch.float32)
+    factor = scale * 2.0**120
+    if factor < 3.0e38:
+        return values.mul_(factor)
+    return values.mul_(2.0**120).mul_(scale)
+
+
+def _fill(read_into: ReadInto, view: memoryview, what: str) -> None:
+    filled = 0
+    while filled < len(view):
+        count = read_into(view[filled:])
+        if not count:
+            raise ValueError(f"weights payload: ended inside {what}")
+        filled += count
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("weight payloads are little-endian; this host is not")
+    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def read_metadata(payload: bytes) -> dict[str, str]:
@@ -162,26 +439,10 @@ def read_metadata(payload: bytes) -> dict[str, str]:
 
 
 def decode_weights(payload: bytes) -> DecodedWeights:
-    """Parse and decompress a payload made by ``encode_weights``."""
-    metadata = read_metadata(payload)
-    if "rljob.version" not in metadata:
-        raise ValueError("weights payload: no rljob.version in the safetensors metadata")
-    compression = metadata.get("rljob.compression", "none")
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"weights payload: unknown compression {compression!r}")
-    dtypes = json.loads(metadata.get("rljob.dtypes", "{}"))
-    scales = json.loads(metadata.get("rljob.scales", "{}"))
-    tensors = {
-        name: decompress_tensor(t, scales.get(name), _dtype(dtypes.get(name), t.dtype))
-        for name, t in sorted(load_safetensors(payload).items())
-    }
-    return DecodedWeights(
-        version=int(metadata["rljob.version"]),
-        compression=compression,
-        published_at=float(metadata.get("rljob.published_at", "0")),
-        tensors=tensors,
-        wire_bytes=len(payload),
-    )
+    """Parse and decompress a payload made by ``encode_weights`` (or any writer of the format)."""
+    if len(payload) < 8:
+        raise ValueError("weights payload: shorter than a safetensors header")
+    return read_payload(io.BytesIO(payload).readinto, wire_bytes=len(payload))
 
 
 def _dtype(name: str | None, default: torch.dtype) -> torch.dtype:
@@ -191,14 +452,3 @@ def _dtype(name: str | None, default: torch.dtype) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"weights payload: unknown dtype {name!r}")
     return dtype
-
-
-def _unshare(wire: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen: set[int] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in wire.items():
-        storage = tensor.untyped_storage().data_ptr()
-        shared = tensor.numel() > 0 and storage in seen
-        out[name] = tensor.clone() if shared else tensor
-        seen.add(storage)
-    return out

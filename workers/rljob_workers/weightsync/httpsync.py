@@ -9,6 +9,11 @@ time fetches the current version with one request. Endpoints (job token required
   up to ``S`` seconds (capped at 60) for a newer version, else answers 204.
 - ``GET /v1/weights/version`` — ``{"version": N | null}``.
 
+The payload streams both ways: the server writes each wire tensor from its own memory and the
+client reads each one straight into the tensor it returns (``codec.read_payload``), so neither
+side builds the whole model as one ``bytes``. The body is an ordinary safetensors file, so a
+client or server from before streaming still reads it.
+
 Latency (publish → usable on the receiver) is measured as wall-clock receipt-after-decode minus
 the publish time stamped in the payload: exact on one host, subject to clock skew across hosts.
 """
@@ -22,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar, cast
 from urllib.parse import urlencode
 
 import torch
@@ -37,10 +43,14 @@ from rljob_workers.transport.authhttp import (
 from rljob_workers.weightsync.codec import (
     Compression,
     DecodedWeights,
-    decode_weights,
-    encode_weights,
+    TensorPool,
+    WirePayload,
+    build_payload,
     raw_nbytes,
+    read_payload,
 )
+
+_T = TypeVar("_T")
 
 __all__ = ["MAX_WAIT_S", "PublishReport", "ReceivedWeights", "WeightClient", "WeightServer"]
 
@@ -75,7 +85,12 @@ class ReceivedWeights:
 
 
 class WeightServer:
-    """Serve the trainer's latest weights at ``url`` (port 0 picks a free port)."""
+    """Serve the trainer's latest weights at ``url`` (port 0 picks a free port).
+
+    Publishing snapshots into one of two tensor pools in turn: the one not holding the latest
+    version, when no rollout is still reading the version in it (else into fresh memory), so a
+    steady publish cadence writes into memory that is already mapped.
+    """
 
     def __init__(
         self,
@@ -88,9 +103,13 @@ class WeightServer:
     ) -> None:
         self.compression: Compression = compression
         self._clock = clock
-        self._payload: bytes | None = None
+        self._payload: WirePayload | None = None
         self._version: int | None = None
         self._changed = threading.Condition()
+        self._publishing = threading.Lock()
+        self._pools = (TensorPool(), TensorPool())
+        self._readers = [0, 0]
+        self._latest_pool: int | None = None
         routes = {
             ("GET", "/v1/weights/latest"): self._latest,
             ("GET", "/v1/weights/version"): self._version_route,
@@ -114,15 +133,23 @@ class WeightServer:
 
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> PublishReport:
         """Encode ``state`` as ``version`` and make it the latest; versions must increase."""
-        if self._version is not None and version <= self._version:
-            raise ValueError(f"version: {version} is not newer than published {self._version}")
-        start = time.perf_counter()
-        payload = encode_weights(version, state, self.compression, published_at=self._clock())
-        encode_ms = (time.perf_counter() - start) * 1000
-        with self._changed:
-            self._payload, self._version = payload, version
-            self._changed.notify_all()
-        return PublishReport(version, raw_nbytes(state), len(payload), encode_ms)
+        with self._publishing:
+            if self._version is not None and version <= self._version:
+                raise ValueError(f"version: {version} is not newer than published {self._version}")
+            with self._changed:
+                index = next(
+                    (i for i in (0, 1) if i != self._latest_pool and self._readers[i] == 0), None
+                )
+            pool = None if index is None else self._pools[index]
+            start = time.perf_counter()
+            payload = build_payload(
+                version, state, self.compression, published_at=self._clock(), pool=pool
+            )
+            encode_ms = (time.perf_counter() - start) * 1000
+            with self._changed:
+                self._payload, self._version, self._latest_pool = payload, version, index
+                self._changed.notify_all()
+        return PublishReport(version, raw_nbytes(state), payload.nbytes, encode_ms)
 
     def start(self) -> WeightServer:
         """Start serving on a background thread; returns self."""
@@ -154,11 +181,23 @@ class WeightServer:
             self._changed.wait_for(
                 lambda: self._newer_than(after) or self._http.closing.is_set(), timeout=wait_s
             )
-            payload, version = self._payload, self._version
-        if payload is None or version is None or version <= after:
-            return Response(204, headers={"X-RLJob-Version": str(version)})
+            payload, version, index = self._payload, self._version, self._latest_pool
+            if payload is None or version is None or version <= after:
+                return Response(204, headers={"X-RLJob-Version": str(version)})
+            if index is not None:
+                self._readers[index] += 1
         headers = {"X-RLJob-Version": str(version), "X-RLJob-Compression": self.compression}
-        return Response(200, payload, "application/octet-stream", headers)
+        return Response(
+            200,
+            content_type="application/octet-stream",
+            headers=headers,
+            chunks=tuple(payload.chunks()),
+            sent=None if index is None else lambda: self._reader_done(index),
+        )
+
+    def _reader_done(self, index: int) -> None:
+        with self._changed:
+            self._readers[index] -= 1
 
     def _newer_than(self, after: int) -> bool:
         return self._version is not None and self._version > after
@@ -171,7 +210,9 @@ class WeightClient:
     """Fetch weights from a ``WeightServer`` (in each rollout worker).
 
     Transport failures raise ``ConnectionError`` (the rollout loop tries again at its next
-    check); a refused token raises ``AuthError``.
+    check); a refused token raises ``AuthError``. With ``reuse_buffers`` every fetch reads into
+    the same tensors (no page faults for a fresh model-sized allocation each time): the tensors
+    of one fetch are valid until the next, so load them into the engine before fetching again.
     """
 
     def __init__(
@@ -181,9 +222,11 @@ class WeightClient:
         *,
         request_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        reuse_buffers: bool = False,
     ) -> None:
         self._host, self._port = http_endpoint(url)
         self._headers = bearer_header(token)
+        self._pool = TensorPool() if reuse_buffers else None
         self.request_timeout_s = request_timeout_s
         self._clock = clock
 
@@ -195,35 +238,50 @@ class WeightClient:
         Returns None when nothing newer appeared in time.
         """
         query = {"wait_s": wait_s} if after is None else {"after": after, "wait_s": wait_s}
-        status, payload = self._get("/v1/weights/latest?" + urlencode(query), wait_s)
-        if status == 204:
+        weights = self._get("/v1/weights/latest?" + urlencode(query), wait_s, self._read_weights)
+        if weights is None:
             return None
-        weights = decode_weights(payload)
         return ReceivedWeights(weights, (self._clock() - weights.published_at) * 1000)
 
     def latest_version(self) -> int | None:
         """The server's latest version without downloading the weights."""
-        _, payload = self._get("/v1/weights/version", 0.0)
-        version = json.loads(payload)["version"]
+        payload = self._get("/v1/weights/version", 0.0, _read_all)
+        version = json.loads(payload or b"{}")["version"]
         return None if version is None else int(version)
 
-    def _get(self, path: str, wait_s: float) -> tuple[int, bytes]:
+    def _get(
+        self, path: str, wait_s: float, read: Callable[[http.client.HTTPResponse], _T]
+    ) -> _T | None:
+        """GET ``path`` and hand a 200 response to ``read``; None for 204."""
         conn = http.client.HTTPConnection(
             self._host, self._port, timeout=self.request_timeout_s + wait_s
         )
         try:
             conn.request("GET", path, headers=self._headers)
             response = conn.getresponse()
-            payload = response.read()
-        except (OSError, http.client.HTTPException) as err:
+            status = response.status
+            result = read(response) if status == 200 else response.read()
+        except (OSError, http.client.HTTPException, ValueError) as err:
             raise ConnectionError(f"weights from {self._host}:{self._port}: {err}") from err
         finally:
             conn.close()
-        if response.status in (401, 403):
+        if status == 200:
+            return cast(_T, result)
+        self._check_status(status, cast(bytes, result))
+        return None
+
+    def _read_weights(self, response: http.client.HTTPResponse) -> DecodedWeights:
+        return read_payload(response.readinto, wire_bytes=response.length, pool=self._pool)
+
+    def _check_status(self, status: int, payload: bytes) -> None:
+        if status in (401, 403):
             raise AuthError(
                 f"weight server {self._host}:{self._port} refused the job token "
-                f"({response.status}): check that RLJOB_TOKEN comes from this job's Secret"
+                f"({status}): check that RLJOB_TOKEN comes from this job's Secret"
             )
-        if response.status not in (200, 204):
-            raise ConnectionError(f"weight server answered {response.status}: {payload[:200]!r}")
-        return response.status, payload
+        if status != 204:
+            raise ConnectionError(f"weight server answered {status}: {payload[:200]!r}")
+
+
+def _read_all(response: http.client.HTTPResponse) -> bytes:
+    return response.read()

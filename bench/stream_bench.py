@@ -1,0 +1,279 @@
+"""Experience-stream ingest benchmark (a benchmark: prints numbers, never pass/fail).
+
+Side by side in one run, alternating each repeat, on the same realistic trajectories (prompts of
+256 tokens, responses of 1k-8k tokens with float32 log-probs, as vLLM returns them):
+
+1. ``floor``: the binary batches' bytes pushed over a raw loopback TCP socket into a
+   pre-allocated buffer (no HTTP, no parsing): what loopback itself allows;
+2. ``binary``: rollout processes' ``ExperienceClient`` -> the trainer's ``ExperienceServer``
+   -> ``ExperienceBuffer`` with binary frames (client encoding, HTTP, auth, decoding into
+   ``Trajectory`` lists, de-dup, buffering);
+3. ``json``: the same path with JSON lines (what every release before the binary format sent).
+
+Also the codec alone, in process: binary encode and decode rates (what each side's CPU spends).
+Tokens are prompt + response tokens; MB are bytes on the wire of that format.
+Writes bench/results/stream_bench.{json,png}.
+Usage: .venv/bin/python -m bench.stream_bench [--repeat 5] [--trajectories 192] [--batch 16]
+       [--clients 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.transport import ExperienceClient, ExperienceServer
+from rljob_workers.transport.codec import decode_binary, encode_binary
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKEN = "bench-token"
+MODES = ("floor", "binary", "json")
+
+
+def make_trajectories(count: int, seed: int) -> list[Trajectory]:
+    """Trajectories of 256 prompt tokens and 1k-8k response tokens with float32 log-probs."""
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for index in range(count):
+        length = int(rng.integers(1024, 8193))
+        logprobs = (-rng.exponential(1.0, length)).astype(np.float32).astype(np.float64)
+        trajectories.append(
+            Trajectory(
+                id=f"s{seed}-{index}",
+                policy_version=0,
+                created_at=time.time(),
+                prompt_ids=rng.integers(0, 151_000, 256).tolist(),
+                response_ids=rng.integers(0, 151_000, length).tolist(),
+                behaviour_logprobs=logprobs.tolist(),
+                reward=float(index % 2),
+                group_id=f"g{index // 8}",
+            )
+        )
+    return trajectories
+
+
+def tokens_of(trajectories: list[Trajectory]) -> int:
+    return sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+
+
+def measure_floor(bodies: list[bytes]) -> float:
+    """Seconds to move ``bodies`` (length-prefixed) over a loopback socket into a buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    total = sum(8 + len(b) for b in bodies)
+    sink = bytearray(max(len(b) for b in bodies) + 8)
+
+    def receive() -> None:
+        conn, _ = listener.accept()
+        view, left = memoryview(sink), total
+        while left:
+            left -= conn.recv_into(view[: min(left, len(view))])
+        conn.sendall(b"k")
+        conn.close()
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    client = socket.create_connection(listener.getsockname())
+    start = time.perf_counter()
+    for body in bodies:
+        client.sendall(len(body).to_bytes(8, "little"))
+        client.sendall(body)
+    client.recv(1)
+    elapsed = time.perf_counter() - start
+    receiver.join()
+    client.close()
+    listener.close()
+    return elapsed
+
+
+def _rollout(
+    url: str,
+    count: int,
+    seed: int,
+    part: int,
+    parts: int,
+    batch: int,
+    wire: str,
+    go: Any,
+    sent: Any,
+) -> None:
+    """One rollout process: build its share of the trajectories (in this process, as a rollout
+    holds what it generated), connect, wait for the start signal, deliver."""
+    mine = make_trajectories(count, seed)[part::parts]
+    client = ExperienceClient(url, TOKEN, batch_size=batch, wire_format=wire)
+    client.control(0)
+    sent.put("ready")
+    go.wait()
+    acked = client.send(mine, timeout_s=300)
+    client.close()
+    sent.put((acked, client.stats.bytes_sent))
+
+
+def measure_stream(count: int, seed: int, batch: int, wire: str, clients: int) -> tuple[float, int]:
+    """Seconds for ``clients`` rollout processes to deliver ``count`` trajectories into the
+    trainer's buffer (server in this process, as in the trainer); bytes sent."""
+    context = mp.get_context("spawn")
+    go, sent = context.Event(), context.Queue()
+    buffer = ExperienceBuffer(capacity=count + 1)
+    with ExperienceServer(TOKEN, buffer, max_body_bytes=256 << 20) as server:
+        processes = [
+            context.Process(
+                target=_rollout,
+                args=(server.url, count, seed, i, clients, batch, wire, go, sent),
+            )
+            for i in range(clients)
+        ]
+        for process in processes:
+            process.start()
+        for _ in processes:
+            sent.get(timeout=300)
+        start = time.perf_counter()
+        go.set()
+        answers = [sent.get(timeout=300) for _ in processes]
+        elapsed = time.perf_counter() - start
+        for process in processes:
+            process.join()
+    acked = sum(a for a, _ in answers)
+    if acked != count or len(buffer) != count:
+        raise RuntimeError(f"{wire}: {acked} acked, {len(buffer)} buffered")
+    return elapsed, sum(b for _, b in answers)
+
+
+def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
+    samples: dict[str, list[tuple[float, int]]] = {m: [] for m in MODES}
+    codec: dict[str, list[float]] = {"encode_s": [], "decode_s": []}
+    tokens = 0
+    order = list(MODES)
+    for r in range(repeat):
+        trajectories = make_trajectories(count, seed=r)
+        tokens = tokens_of(trajectories)
+        batches = [trajectories[i : i + batch] for i in range(0, count, batch)]
+        start = time.perf_counter()
+        bodies = [encode_binary(b) for b in batches]
+        codec["encode_s"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for body in bodies:
+            decode_binary(body)
+        codec["decode_s"].append(time.perf_counter() - start)
+        random.Random(r).shuffle(order)
+        for mode in order:
+            if mode == "floor":
+                samples[mode].append((measure_floor(bodies), sum(len(b) for b in bodies)))
+            else:
+                samples[mode].append(measure_stream(count, r, batch, mode, clients))
+        print(f"repeat {r + 1}/{repeat} done", flush=True)
+    rows = {}
+    for mode, runs in samples.items():
+        seconds = statistics.median(s for s, _ in runs)
+        wire_bytes = statistics.median(b for _, b in runs)
+        rows[mode] = {
+            "seconds": seconds,
+            "wire_mb": wire_bytes / 1e6,
+            "mb_per_s": wire_bytes / 1e6 / seconds,
+            "mtokens_per_s": tokens / 1e6 / seconds,
+            "trajectories_per_s": count / seconds,
+        }
+    for row in rows.values():
+        row["tokens_vs_floor"] = row["mtokens_per_s"] / rows["floor"]["mtokens_per_s"]
+        row["tokens_vs_json"] = row["mtokens_per_s"] / rows["json"]["mtokens_per_s"]
+    return {
+        "trajectories": count,
+        "batch": batch,
+        "clients": clients,
+        "tokens": tokens,
+        "rows": rows,
+        "codec_binary": {
+            "encode_mtokens_per_s": tokens / 1e6 / statistics.median(codec["encode_s"]),
+            "decode_mtokens_per_s": tokens / 1e6 / statistics.median(codec["decode_s"]),
+        },
+    }
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(
+        f"\n{result['trajectories']} trajectories ({result['tokens']:,} tokens) in batches of "
+        f"{result['batch']} from {result['clients']} rollout processes; medians of "
+        f"{result['repeat']} alternating repeats; load "
+        f"{result['load_before']} -> {result['load_after']}"
+    )
+    print(
+        f"{'mode':<7} {'wire MB':>8} {'s':>7} {'MB/s':>8} {'Mtok/s':>7} {'vs floor':>9} "
+        f"{'vs json':>8}"
+    )
+    for mode, row in result["rows"].items():
+        print(
+            f"{mode:<7} {row['wire_mb']:>8.1f} {row['seconds']:>7.3f} {row['mb_per_s']:>8.1f} "
+            f"{row['mtokens_per_s']:>7.2f} {row['tokens_vs_floor']:>8.3f}x "
+            f"{row['tokens_vs_json']:>7.1f}x"
+        )
+    codec = result["codec_binary"]
+    print(
+        f"binary codec alone: encode {codec['encode_mtokens_per_s']:.1f} Mtok/s, "
+        f"decode {codec['decode_mtokens_per_s']:.1f} Mtok/s"
+    )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    modes = list(result["rows"])
+    colors = ["tab:gray", "tab:green", "tab:red"]
+    axes[0].bar(modes, [result["rows"][m]["mtokens_per_s"] for m in modes], color=colors)
+    axes[0].axhline(10, linestyle="--", color="black", linewidth=1)
+    axes[0].set_yscale("log")
+    axes[0].set_title("ingest, million tokens/s (goal 10, dashed)")
+    axes[1].bar(modes, [result["rows"][m]["mb_per_s"] for m in modes], color=colors)
+    axes[1].axhline(100, linestyle="--", color="black", linewidth=1)
+    axes[1].set_yscale("log")
+    axes[1].set_title("ingest, MB/s on the wire (goal 100, dashed)")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--trajectories", type=int, default=192)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=2, help="rollout processes")
+    args = parser.parse_args()
+    load_before = load_average()
+    result = run(args.repeat, args.trajectories, args.batch, args.clients)
+    result.update(
+        repeat=args.repeat,
+        load_before=load_before,
+        load_after=load_average(),
+        machine={"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        command=" ".join(["python -m bench.stream_bench", *sys.argv[1:]]),
+    )
+    print_table(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "stream_bench.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / "stream_bench.png")
+    print(f"\nwrote {RESULTS / 'stream_bench.json'} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""A real node (containerd + kubelet in a network namespace, images built here): aspects under test
+
+- ``down`` after the owner of ``up --real-node`` was SIGKILLed leaves no process, mount, network
+  namespace, veth, cgroup behind and restores the global sysctls the kubelet rewrote;
+- the operator installed by ``helm install`` runs as a pod of the locally built image under the
+  chart's ServiceAccount, with leader election on; ``/healthz`` and ``/metrics`` answer through
+  the apiserver's proxy (pod and Service);
+- ``examples/grpo-colocated.yaml`` (model on a volume, CPU requests, pinned to the real node) runs
+  as real actor pods that rendezvous by the headless Service's DNS name, report progress with
+  their ServiceAccount token and reach Succeeded with the reward above its baseline;
+  ``kubectl get rlj`` shows step and phase; ``kubectl logs`` and ``kubectl exec`` work on a worker;
+- a job whose image is not on the node says so in its status (condition + Event), not a silent
+  Pending;
+- ``examples/dapo-disaggregated.yaml`` (one rollout pod, two trainer pods with gloo DDP between
+  them) trains over the pod network; killing the rollout's process (not the pod object) replaces
+  that pod alone with the trainer pods' UIDs unchanged; killing a trainer process restarts the
+  trainer group from the checkpoint on the persistent volume (steps continue past it, not from 0);
+  suspend deletes the pods and keeps the checkpoint, resume continues from it; then Succeeded.
+
+Needs root and the node set-up of ``scripts/setup.sh``; skips naming what is missing otherwise, or
+with ``RLJOB_REAL_NODE=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e import realnode
+from e2e.cluster import REPO, LocalCluster, binary, real_node_missing
+from e2e.helpers import get_json, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.realnode]
+CHART = REPO / "helm" / "rljob-operator"
+OPERATOR_IMAGE = ("ghcr.io/rljob/rljob-operator", "0.1.0")
+ON_REAL_NODE = realnode.ON_REAL_NODE
+
+
+def _skip_reason() -> str | None:
+    if os.environ.get("RLJOB_REAL_NODE") == "0":
+        return "RLJOB_REAL_NODE=0"
+    return real_node_missing()
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A control plane with one real node (and one kwok GPU node beside it)."""
+    why = _skip_reason()
+    if why:
+        pytest.skip(f"real node unavailable: {why}")
+    local = LocalCluster(
+        Path(tmp_path_factory.mktemp("realcluster")),
+        gpu_nodes=1,
+        real_node=True,
+        tie_to_parent=True,
+    )
+    started = time.monotonic()
+    local.up(timeout=300)
+    print(f"real-node cluster up in {time.monotonic() - started:.0f}s")
+    try:
+        yield local
+    finally:
+        local.down()
+
+
+def helm(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def chart_operator(real_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The chart installed with the locally built operator image on the real node; returns the
+    release namespace."""
+    values = {
+        "image": {
+            "repository": OPERATOR_IMAGE[0],
+            "tag": OPERATOR_IMAGE[1],
+            "pullPolicy": "Never",
+        },
+        "replicaCount": 2,
+        "operator": {"scaleCooldownSeconds": 3},
+        **ON_REAL_NODE,
+    }
+    path = Path(tmp_path_factory.mktemp("chart")) / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    helm(
+        real_cluster, "install", "rljob", str(CHART), "-n", "rljob-system", "--create-namespace",
+        "-f", str(path), "--wait", "--timeout=300s",
+    )  # fmt: skip
+    return "rljob-system"
+
+
+def _pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    return get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"]  # type: ignore[no-any-return]
+
+
+def _raw_ok(cluster: LocalCluster, path: str) -> str | None:
+    """The body of a GET through the apiserver (its proxy reaches pods over the veth), or None."""
+    out = cluster.kubectl("get", "--raw", path, check=False)
+    return out.stdout if out.returncode == 0 else None
+
+
+# --------------------------------------------------------------------------- node lifecycle
+
+
+def test_real_node_down_after_owner_sigkill_leaves_nothing_behind(tmp_path: Path) -> None:
+    why = _skip_reason()
+    if why:
+        pytest.skip(f"real node unavailable: {why}")
+    sysctls_before = realnode.read_sysctls()
+    workdir = tmp_path / "c"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER.format(workdir=str(workdir))],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert owner.stdout is not None
+    line = owner.stdout.readline()
+    assert line.startswith("READY"), line + owner.stdout.read()
+    cluster = LocalCluster(workdir)
+    paths = realnode.NodePaths(workdir)
+    # the node really ran a pod: something to clean up (container, shim, mounts, pod netns)
+    cluster.kubectl("run", "sleeper", "--image=" + realnode.SANDBOX_IMAGE, "--restart=Never",
+                    "--overrides=" + json.dumps({"spec": ON_REAL_NODE}))  # fmt: skip
+    wait_for(
+        lambda: get_json(cluster, "pod", "sleeper")["status"].get("phase") == "Running",
+        120,
+        "a pod running on the real node",
+    )
+    assert realnode.node_pids(paths)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    cluster.down()
+    assert realnode.leftovers(paths) == []
+    assert realnode.read_sysctls() == sysctls_before
+    assert not list(Path("/run/netns").glob("cni-*"))
+
+
+_OWNER = """
+import time
+from pathlib import Path
+from e2e.cluster import LocalCluster
+c = LocalCluster(Path({workdir!r}), gpu_nodes=1, real_node=True, tie_to_parent=True)
+c.up(timeout=300)
+print("READY", flush=True)
+time.sleep(3600)
+"""
+
+
+# --------------------------------------------------------------------------- operator by helm
+
+
+def test_helm_operator_runs_as_pod_with_leader_election_and_answers_probes(
+    real_cluster: LocalCluster, chart_operator: str
+) -> None:
+    ns = chart_operator
+    pods = _pods(real_cluster, ns, "app.kubernetes.io/name=rljob-operator")
+    assert len(pods) == 2
+    assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
+    assert all(p["spec"]["serviceAccountName"] == "rljob-rljob-operator" for p in pods)
+
+    def holder() -> str | None:
+        out = real_cluster.kubectl(
+            "get", "lease", "rljob-operator", "-n", ns, "-o", "json", check=False
+        )
+        return json.loads(out.stdout)["spec"].get("holderIdentity") if out.returncode == 0 else None
+
+    lease = wait_for(holder, 120, "a leader")
+    assert any(str(lease).startswith(p["metadata"]["name"]) for p in pods), lease
+    for pod in pods:  # the leader answers from kopf, the standby from its own small server
+        path = f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}:8080/proxy/healthz"
+        wait_for(lambda path=path: _raw_ok(real_cluster, path), 120, f"{path} answering")
+    services = get_json(real_cluster, "services", "-n", ns)["items"]
+    metrics_svc = next(s for s in services if any(p["port"] == 9090 for p in s["spec"]["ports"]))
+    name = metrics_svc["metadata"]["name"]
+    path = f"/api/v1/namespaces/{ns}/services/{name}:9090/proxy/metrics"
+    metrics = wait_for(lambda: _raw_ok(real_cluster, path), 120, "metrics through the Service")
+    assert "rljob_operator_leader" in str(metrics)
+
+
+# --------------------------------------------------------------------------- a job on real pods
+
+
+def _job_namespace(cluster: LocalCluster, root: Path) -> str:
+    """A namespace with the tiny model on a volume and a checkpoint volume (hostPath PVs)."""
+    from rljob_workers.tinymodel import build_tiny_model
+
+    ns = f"rl-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    model_dir, ckpt_dir = root / f"{ns}-models", root / f"{ns}-checkpoints"
+    build_tiny_model(model_dir / "tiny-qwen2")
+    realnode.make_readable(model_dir)
+    ckpt_dir.mkdir(parents=True)
+    ckpt_dir.chmod(0o777)
+    docs = realnode.volume_manifests(ns, model_dir, ckpt_dir)
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    )
+    return ns
+
+
+def real_job(example: str, *, steps: int, image: str | None = None) -> dict[str, Any]:
+    job = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
+    return realnode.job_for_real_node(job, steps=steps, image=image)
+
+
+def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    """The job's status ({} while it does not exist yet)."""
+    out = cluster.kubectl("get", "rlj", name, "-n", ns, "-o", "json", check=False)
+    return json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}  # type: ignore[no-any-return]
+
+
+GRPO_STEPS = 40
+LINE = re.compile(r"^\[(?P<job>[\w-]+)\] step (?P<step>\d+)/\d+  reward (?P<reward>[\d.]+)")
+
+
+@pytest.mark.timeout(1800)  # vLLM pods on 2 shared cores: 12-14 min at load 20-26
+def test_grpo_colocated_runs_as_real_pods_to_succeeded(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = Path(tmp_path_factory.mktemp("volumes"))
+    ns = _job_namespace(real_cluster, root)
+    job = real_job("grpo-colocated", steps=GRPO_STEPS)
+    manifest = root / "job.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    name = job["metadata"]["name"]
+    # applied and followed by the CLI, as a user would: `rljob run job.yaml` (no --local)
+    follower = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rljob"), "run", str(manifest), "-n", ns],
+        env=real_cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: _status(real_cluster, ns, name).get("step"),
+            900,
+            "the first reported step (pods started, rendezvoused by DNS, progress reported)",
+        )
+        pods = _pods(real_cluster, ns, f"rljob.io/job={name}")
+        assert {p["spec"]["nodeName"] for p in pods} == {realnode.NODE_NAME}
+        pod = pods[0]["metadata"]["name"]
+        logs = real_cluster.kubectl("logs", "-n", ns, pod).stdout
+        assert "step " in logs, logs[-2000:]
+        probe = "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"
+        who = real_cluster.kubectl("exec", "-n", ns, pod, "--", "python", "-c", probe).stdout
+        assert who.split() == ["worker", "/home/rljob"]
+        table = real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout
+        assert "STEP" in table and "PHASE" in table
+        out, _ = follower.communicate(timeout=1800)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    print(out[-3000:])
+    assert follower.returncode == 0, out[-3000:]
+    st = _status(real_cluster, ns, name)
+    assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
+    assert st["step"] == GRPO_STEPS
+    rewards = [float(m["reward"]) for m in map(LINE.match, out.splitlines()) if m]
+    assert len(rewards) >= 10, out[-3000:]
+    baseline, final = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    print(f"grpo-colocated on real pods: reward {baseline:.3f} -> {final:.3f}")
+    assert final > baseline
+
+
+# --------------------------------------------------------------------------- missing image
+
+
+def test_missing_image_is_a_condition_naming_the_image(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    missing = "rljob.local/not-built:0"
+    job = real_job("grpo-colocated", steps=5, image=missing)
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    name = job["metadata"]["name"]
+
+    def image_condition() -> dict[str, Any] | None:
+        for c in _status(real_cluster, ns, name).get("conditions", []):
+            if c.get("reason") in ("ErrImageNeverPull", "ImagePullBackOff", "ErrImagePull"):
+                return c  # type: ignore[no-any-return]
+        return None
+
+    cond = wait_for(image_condition, 180, "a condition about the missing image")
+    assert missing in cond["message"]  # type: ignore[index]
+    events = get_json(real_cluster, "events", "-n", ns)["items"]
+    assert any(
+        missing in e.get("message", "") and e["involvedObject"]["kind"] == "RLJob" for e in events
+    )
+
+
+# ------------------------------------------------------------------ disaggregated, failover
+
+
+def _worker_pid(pod: str) -> int | None:
+    """Host pid of the worker process of ``pod`` (the container's python, found by its env)."""
+    want = f"POD_NAME={pod}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"rljob_workers.main" not in (entry / "cmdline").read_bytes():
+                continue
+            if want in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def _uids(cluster: LocalCluster, ns: str, selector: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in _pods(cluster, ns, selector)}
+
+
+@pytest.mark.timeout(1800)  # vLLM pods on 2 shared cores: 12-14 min at load 20-26
+def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    job = real_job("dapo-disaggregated", steps=60)
+    # two cores: one rollout pod (no elastic growth), two trainer pods (gloo DDP between pods)
+    job["spec"]["rollout"].update({"replicas": 1, "minReplicas": 1, "maxReplicas": 1})
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    name = job["metadata"]["name"]
+    rollouts, trainers = (
+        f"rljob.io/job={name},rljob.io/role=rollout",
+        f"rljob.io/job={name},rljob.io/role=trainer",
+    )
+
+    def step_at_least(n: int) -> bool:
+        return int(_status(real_cluster, ns, name).get("step") or 0) >= n
+
+    wait_for(
+        lambda: step_at_least(3), 900, "three steps (experience and weights over the pod network)"
+    )
+    st = _status(real_cluster, ns, name)
+    assert st.get("policyLagMs") is not None, st
+
+    # a rollout process dies (not the pod object): that pod alone is replaced
+    trainer_uids = _uids(real_cluster, ns, trainers)
+    rollout_pod = next(iter(_uids(real_cluster, ns, rollouts)))
+    old_rollout_uid = _uids(real_cluster, ns, rollouts)[rollout_pod]
+    pid = _worker_pid(rollout_pod)
+    assert pid, f"no worker process of {rollout_pod} on the host"
+    os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: _uids(real_cluster, ns, rollouts).get(rollout_pod) not in (None, old_rollout_uid),
+        300,
+        "the rollout pod replaced",
+    )
+    assert _uids(real_cluster, ns, trainers) == trainer_uids
+    before = int(_status(real_cluster, ns, name).get("step") or 0)
+    wait_for(lambda: step_at_least(before + 2), 600, "training to continue after the rollout kill")
+
+    # a trainer process dies: the trainer group restarts from the checkpoint on the volume
+    wait_for(lambda: _status(real_cluster, ns, name).get("lastCheckpoint"), 600, "a checkpoint")
+    ckpt_step = int(_status(real_cluster, ns, name)["lastCheckpoint"].get("step") or 0)
+    trainer_pod = sorted(trainer_uids)[0]
+    pid = _worker_pid(trainer_pod)
+    assert pid, f"no worker process of {trainer_pod} on the host"
+    os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: int((_status(real_cluster, ns, name).get("restarts") or {}).get("trainer", 0)) >= 1,
+        300,
+        "the trainer restart counted",
+    )
+    wait_for(
+        lambda: set(_uids(real_cluster, ns, trainers).values()).isdisjoint(trainer_uids),
+        300,
+        "new trainer pods",
+    )
+    wait_for(lambda: step_at_least(ckpt_step + 1), 600, "steps after the trainer restart")
+    st = _status(real_cluster, ns, name)
+    assert st.get("resumeFrom"), st
+
+    # suspend: pods gone, checkpoint kept; resume continues from it
+    real_cluster.kubectl(
+        "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+    )
+    wait_for(
+        lambda: not _pods(real_cluster, ns, f"rljob.io/job={name}"), 300, "pods gone on suspend"
+    )
+    kept = _status(real_cluster, ns, name).get("lastCheckpoint")
+    assert kept, "the checkpoint is kept while suspended"
+    real_cluster.kubectl(
+        "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    wait_for(lambda: step_at_least(int(kept.get("step") or 0) + 1), 900, "steps after resume")
+    wait_for(
+        lambda: _status(real_cluster, ns, name).get("phase") in ("Succeeded", "Failed"),
+        1800,
+        "the job to finish",
+    )
+    st = _status(real_cluster, ns, name)
+    assert st["phase"] == "Succeeded", json.dumps(st, indent=1)

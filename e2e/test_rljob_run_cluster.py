@@ -1,0 +1,128 @@
+"""``rljob run job.yaml`` without ``--local`` on the local control plane: aspects under test
+
+- the job is applied to the kubeconfig's cluster (namespace from ``-n``) and followed: a live line
+  for each status change (step, reward, lag, phase, restarts), then the final report table, exit 0
+  on Succeeded and 1 on Failed;
+- ``--delete-after`` deletes the finished job; Ctrl-C (SIGINT) detaches and leaves the job running;
+- an invalid manifest is refused before anything is applied, naming the field.
+
+No operator runs here: the test writes the status the operator would, so what is checked is the
+CLI against a real API server.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.cluster import REPO, LocalCluster
+from e2e.helpers import wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+# A background CI shell starts its children with SIGINT ignored (no job control); a user's terminal
+# does not, so restore Python's Ctrl-C handling the way an interactive session has it.
+RLJOB = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from rljob_operator.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _rljob(cluster: LocalCluster, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", RLJOB, "run", *args],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _manifest(tmp_path: Path, name: str, steps: int = 3) -> Path:
+    job = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    job["metadata"]["name"] = name
+    job["spec"]["totalSteps"] = steps
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _set_status(cluster: LocalCluster, ns: str, name: str, status: dict[str, object]) -> None:
+    cluster.kubectl(
+        "patch", "rlj", name, "-n", ns, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+
+
+def _exists(cluster: LocalCluster, ns: str, name: str) -> bool:
+    return cluster.kubectl("get", "rlj", name, "-n", ns, check=False).returncode == 0
+
+
+def test_rljob_run_cluster_follows_to_succeeded_then_deletes(
+    cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
+) -> None:
+    proc = _rljob(cluster, str(_manifest(tmp_path, "followed")), "-n", namespace, "--delete-after")
+    wait_for(lambda: _exists(cluster, namespace, "followed"), 60, "the job applied by rljob run")
+    for step, reward in ((1, 0.1), (2, 0.4)):
+        status = {"phase": "Running", "step": step, "rewardMean": reward, "policyLagMs": 1.5}
+        _set_status(cluster, namespace, "followed", status)
+        time.sleep(2.5)
+    _set_status(
+        cluster, namespace, "followed", {"phase": "Succeeded", "step": 3, "rewardMean": 0.7}
+    )
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "[followed] step 1/3  reward 0.100  lag 1.5 ms" in out
+    assert "step 3/3  reward 0.700" in out and "phase Succeeded" in out
+    assert "reward first" in out and "0.100" in out.split("reward first", 1)[1]
+    wait_for(lambda: not _exists(cluster, namespace, "followed"), 60, "--delete-after")
+
+
+def test_rljob_run_cluster_failed_job_exits_nonzero_and_stays(
+    cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
+) -> None:
+    proc = _rljob(cluster, str(_manifest(tmp_path, "failing")), "-n", namespace)
+    wait_for(lambda: _exists(cluster, namespace, "failing"), 60, "the job applied by rljob run")
+    status = {"phase": "Failed", "step": 1, "message": "trainer exceeded maxRestarts"}
+    _set_status(cluster, namespace, "failing", status)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    assert "trainer exceeded maxRestarts" in out
+    assert _exists(cluster, namespace, "failing")
+
+
+def test_rljob_run_cluster_ctrl_c_detaches_and_keeps_the_job(
+    cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
+) -> None:
+    proc = _rljob(cluster, str(_manifest(tmp_path, "detached")), "-n", namespace, "--delete-after")
+    wait_for(lambda: _exists(cluster, namespace, "detached"), 60, "the job applied by rljob run")
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, out
+    assert "detached" in out
+    assert _exists(cluster, namespace, "detached")
+
+
+def test_rljob_run_cluster_invalid_manifest_applies_nothing(
+    cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
+) -> None:
+    path = _manifest(tmp_path, "broken")
+    job = yaml.safe_load(path.read_text())
+    job["spec"]["algorithm"]["groupSize"] = -1
+    path.write_text(yaml.safe_dump(job))
+    proc = _rljob(cluster, str(path), "-n", namespace)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert "groupSize" in out
+    assert not _exists(cluster, namespace, "broken")

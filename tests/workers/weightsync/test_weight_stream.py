@@ -1,0 +1,194 @@
+"""Streaming weight payloads: the hand-written safetensors header, reading straight into tensors,
+and compatibility with receivers and senders from before streaming.
+
+Aspects under test:
+- a ``build_payload`` payload is a standard safetensors file (``safetensors.torch.load`` reads
+  it, tensors equal), and a payload written by the safetensors library with our metadata is read
+  by ``read_payload`` (old trainer -> new rollout; the reverse is the previous aspect);
+- an old rollout (reads the whole HTTP body, then ``safetensors``) gets the new server's weights;
+- the vectorised fp8 path puts exactly the bytes of the per-tensor ``compress_tensor`` on the
+  wire (the broadcast path uses the latter; both must agree);
+- publish takes a snapshot: updating the trainer's tensors after ``publish`` does not change
+  what a rollout fetches;
+- a payload cut short is an error naming where it ended, never a partial model.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from rljob_workers.weightsync import WeightClient, WeightServer
+from rljob_workers.weightsync.codec import (
+    _fp8_to_float32,
+    build_payload,
+    compress_state,
+    compress_tensor,
+    decode_weights,
+    read_payload,
+)
+
+TOKEN = "job-token-for-weights"
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    return {
+        **model.state_dict(),
+        "half": torch.randn(5, 3).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "step": torch.tensor(seed),
+    }
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16", "fp8"])
+def test_build_payload_is_a_standard_safetensors_file(compression) -> None:
+    sent = state(0)
+    payload = build_payload(3, sent, compression).to_bytes()
+
+    plain = load_safetensors(payload)
+    decoded = decode_weights(payload)
+
+    assert sorted(plain) == sorted(sent)
+    assert decoded.version == 3 and decoded.wire_bytes == len(payload)
+    if compression == "none":
+        assert all(torch.equal(plain[name], tensor) for name, tensor in sent.items())
+        assert all(torch.equal(decoded.tensors[name], t) for name, t in sent.items())
+
+
+def test_read_payload_reads_a_file_written_by_the_safetensors_library() -> None:
+    sent = state(1)
+    metadata = {"rljob.version": "9", "rljob.compression": "none", "rljob.published_at": "2.5"}
+    payload = save_safetensors(sent, metadata=metadata)
+
+    received = read_payload(io.BytesIO(payload).readinto)
+
+    assert received.version == 9 and received.published_at == 2.5
+    assert all(torch.equal(received.tensors[name], t) for name, t in sent.items())
+
+
+def test_weight_server_old_rollout_reading_whole_body_gets_equal_tensors() -> None:
+    sent = state(2)
+    with WeightServer(TOKEN) as server:
+        server.publish(1, sent)
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/v1/weights/latest", headers={"Authorization": f"Bearer {TOKEN}"})
+        body = conn.getresponse().read()
+        conn.close()
+
+    received = load_safetensors(body)
+    assert all(torch.equal(received[name], t) for name, t in sent.items())
+
+
+def test_compress_state_fp8_bytes_equal_per_tensor_compression() -> None:
+    sent = state(3)
+
+    wire, scales = compress_state(sent, "fp8")
+
+    for name, tensor in sent.items():
+        expected, scale = compress_tensor(tensor, "fp8", name)
+        assert wire[name].dtype == expected.dtype
+        assert torch.equal(
+            wire[name].reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
+        )
+        assert scales.get(name) == scale
+
+
+def test_weight_server_publish_snapshots_trainer_tensors() -> None:
+    sent = state(4)
+    with WeightServer(TOKEN) as server:
+        server.publish(1, sent)
+        before = {name: t.clone() for name, t in sent.items()}
+        with torch.no_grad():
+            for tensor in sent.values():
+                tensor.add_(1)
+        received = WeightClient(server.url, TOKEN).fetch_latest()
+
+    assert received is not None
+    assert all(torch.equal(received.weights.tensors[n], t) for n, t in before.items())
+
+
+def test_read_payload_cut_short_names_where_it_ended() -> None:
+    payload = build_payload(1, state(5)).to_bytes()
+    header_len = int.from_bytes(payload[:8], "little")
+    first = min(
+        (e["data_offsets"][0], n)
+        for n, e in json.loads(payload[8 : 8 + header_len]).items()
+        if n != "__metadata__" and e["data_offsets"][1] > e["data_offsets"][0]
+    )[1]
+
+    with pytest.raises(ValueError, match=f"ended inside tensor '{first}'"):
+        decode_weights(payload[: 8 + header_len + 3])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 1e-4, 5e2, 1e37])
+def test_decode_fp8_every_code_equals_torch_cast_times_scale(scale) -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # all but the two NaNs
+
+    decoded = _fp8_to_float32(finite, scale)
+
+    assert torch.equal(decoded, finite.float() * scale)
+
+
+def big_state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((8 << 20,), value), "b": torch.full((3,), value)}
+
+
+def test_weight_server_slow_reader_keeps_its_version_while_newer_ones_publish() -> None:
+    with WeightServer(TOKEN) as server:
+        server.publish(1, big_state(1.0))
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v1/weights/latest", headers={"Authorization": f"Bearer {TOKEN}"})
+        response = conn.getresponse()
+        head = response.read(1024)  # a rollout on a slow link: most of v1 is still unsent
+        server.publish(2, big_state(2.0))
+        server.publish(3, big_state(3.0))
+        body = head + response.read()
+        conn.close()
+        latest = WeightClient(server.url, TOKEN).fetch_latest()
+
+    received = load_safetensors(body)
+    assert torch.equal(received["w"], big_state(1.0)["w"])
+    assert latest is not None and latest.version == 3
+    assert torch.equal(latest.weights.tensors["w"], big_state(3.0)["w"])
+
+
+@pytest.mark.parametrize("compression", ["none", "fp8"])
+def test_weight_client_reuse_buffers_each_fetch_correct_in_the_same_memory(compression) -> None:
+    with WeightServer(TOKEN, compression=compression) as server:
+        client = WeightClient(server.url, TOKEN, reuse_buffers=True)
+        server.publish(1, big_state(1.0))
+        first = client.fetch_latest()
+        assert first is not None
+        first_values = first.weights.tensors["w"].clone()
+        first_pointer = first.weights.tensors["w"].data_ptr()
+        server.publish(2, big_state(2.0))
+        second = client.fetch_latest(after=1)
+
+    assert second is not None and second.version == 2
+    assert torch.equal(first_values, big_state(1.0)["w"])
+    assert torch.equal(second.weights.tensors["w"], big_state(2.0)["w"])
+    assert second.weights.tensors["w"].data_ptr() == first_pointer
+
+
+def test_weight_server_steady_publishing_alternates_two_snapshots() -> None:
+    with WeightServer(TOKEN) as server:
+        pointers = []
+        for version in range(1, 5):
+            server.publish(version, big_state(float(version)))
+            assert server._payload is not None
+            pointers.append(server._payload.tensors[0].data_ptr())
+
+    assert pointers[0] == pointers[2] and pointers[1] == pointers[3]
+    assert pointers[0] != pointers[1]
