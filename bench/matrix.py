@@ -128,7 +128,7 @@ def cell_config(
     sampling: dict[str, Any] = {"maxTokens": 3 if task == "copy" else 6}
     if cell.algorithm == "ppo":
         sampling["samplesPerPrompt"] = 8  # the same samples per step as the group methods
-    staleness: dict[str, Any] = {"correction": cell.correction, "maxPolicyLagMs": 1e7}
+    staleness: dict[str, Any] = {"correction": cell.correction}
     if cell.max_versions is not None:
         staleness["maxVersions"] = cell.max_versions
     task_spec: dict[str, Any] = (
@@ -137,7 +137,7 @@ def cell_config(
         else {"datasetPath": str(dataset), "reward": {"function": "bench.matrix:positional_reward"}}
     )
     raw = {
-        "apiVersion": "rljob.io/v1alpha1",
+        "apiVersion": "rljob.io/v1beta1",
         "kind": "RLJob",
         "metadata": {"name": "matrix"},
         "spec": {
@@ -149,6 +149,7 @@ def cell_config(
             "rollout": {"engine": "hf", "gpusPerReplica": 0, "sampling": sampling},
             "trainer": {"replicas": 1, "gpusPerReplica": 0},
             "staleness": staleness,
+            "degrade": {"maxPolicyLagMs": 1e7},  # the bench measures lag, it never degrades
             "checkpoint": {"everySteps": 1_000_000},  # no checkpoints in a bench run
             "totalSteps": steps,
             "seed": seed,

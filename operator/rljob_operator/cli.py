@@ -281,7 +281,8 @@ def plan_main(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from rljob_operator.api import SpecError, parse_rljob
+    from rljob_operator.api import SpecError
+    from rljob_operator.conversion import parse_any_version
     from rljob_operator.plan import (
         ModelShape,
         PlanError,
@@ -297,7 +298,7 @@ def plan_main(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        job = parse_rljob(yaml.safe_load(Path(args.manifest).read_text()))
+        job = parse_any_version(yaml.safe_load(Path(args.manifest).read_text()))
     except (OSError, yaml.YAMLError) as exc:
         return fail(f"cannot read {args.manifest}: {exc}")
     except SpecError as err:

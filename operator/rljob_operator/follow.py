@@ -17,7 +17,8 @@ from typing import IO, Any
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from rljob_operator.api import GROUP, VERSION, SpecError, parse_rljob
+from rljob_operator.api import GROUP, VERSION, SpecError
+from rljob_operator.conversion import parse_any_version
 from rljob_operator.kube import Kube, resource_path
 
 FINISHED = ("Succeeded", "Failed")
@@ -133,7 +134,7 @@ def run_manifest_on_cluster(
     out = out or sys.stdout
     try:
         raw = yaml.safe_load(Path(manifest).read_text())
-        parse_rljob(raw)
+        parse_any_version(raw)
     except (OSError, yaml.YAMLError) as exc:
         print(f"rljob: cannot read {manifest}: {exc}", file=sys.stderr)
         return 2

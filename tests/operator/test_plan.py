@@ -53,7 +53,7 @@ SHAPE_7B = ModelShape(
 
 def job(**spec: Any) -> Any:
     raw: dict[str, Any] = {
-        "apiVersion": "rljob.io/v1alpha1",
+        "apiVersion": "rljob.io/v1beta1",
         "kind": "RLJob",
         "metadata": {"name": "p"},
         "spec": {
@@ -184,12 +184,13 @@ def test_plan_7b_on_one_80g_gpu_does_not_fit_on_eight_tight_or_fits() -> None:
     assert any("below 15%" in w for w in tight.warnings)
 
 
-def test_plan_cpu_pod_uses_its_memory_limit_else_unknown() -> None:
+def test_plan_cpu_pod_uses_its_memory_limit_else_the_default_request() -> None:
     cpu = job(trainer={"gpusPerReplica": 0, "resources": {"limits": {"memory": "1Gi"}}})
     plan = build_plan(cpu, shape=SHAPE_7B, capacity=PodCapacity())
     assert plan.pods[0].capacity_bytes == GIB and plan.verdict == "does-not-fit"
+    # no limit: the operator's default request (2Gi, pods are never BestEffort) is what is sure
     bare = build_plan(job(trainer={"gpusPerReplica": 0}), shape=SHAPE_7B, capacity=PodCapacity())
-    assert bare.verdict == "unknown"
+    assert bare.pods[0].capacity_bytes == 2 * GIB and bare.verdict == "does-not-fit"
 
 
 def test_capacity_from_nodes_reads_gpu_label_and_allocatable() -> None:

@@ -120,7 +120,7 @@ def test_this_worker_parses_previous_release_operators_config(
         assert _load_config(env).job_name == EXAMPLES[i]
 
 
-def _heartbeat_patch(progress: Progress) -> dict[str, Any]:
+def _heartbeat_patch(progress: Progress, operator_schema: int = SCHEMA_VERSION) -> dict[str, Any]:
     """The merge patch this build's worker sends, caught by a loopback HTTP server."""
     bodies: list[bytes] = []
 
@@ -140,7 +140,9 @@ def _heartbeat_patch(progress: Progress) -> dict[str, Any]:
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        KubeHeartbeat(server=url, token="t", namespace="ns", job_name="demo").write(progress)
+        KubeHeartbeat(
+            server=url, token="t", namespace="ns", job_name="demo", operator_schema=operator_schema
+        ).write(progress)
     finally:
         server.shutdown()
     patch: dict[str, Any] = json.loads(bodies[0])
@@ -149,7 +151,7 @@ def _heartbeat_patch(progress: Progress) -> dict[str, Any]:
 
 def test_previous_release_operator_reads_this_workers_heartbeat(old_tree: Path) -> None:
     beat = Progress(role="actor", replica=1, time=9.0, step=4, policy_version=4)
-    data = _heartbeat_patch(beat)["data"]
+    data = _heartbeat_patch(beat, operator_schema=1)["data"]
     assert data[SCHEMA_KEY] == str(SCHEMA_VERSION)
     read = json.loads(previous_release.run_python(old_tree, OLD_READ_PROGRESS, json.dumps(data)))
     assert [(p["role"], p["replica"], p["step"]) for p in read] == [("actor", 1, 4)]
@@ -201,3 +203,20 @@ def test_reconcile_newer_workers_heartbeat_unknown_field_warning_names_both_vers
     assert len(warnings) == 1 and "actor-0" in warnings[0]
     assert f"version {SCHEMA_VERSION + 1}" in warnings[0]
     assert f"version {SCHEMA_VERSION}" in warnings[0]
+
+
+def test_previous_release_operator_reads_this_workers_heartbeat_without_newer_fields(
+    old_tree: Path,
+) -> None:
+    # the old operator wrote no schema-version beside the config: the worker reports in schema 1
+    beat = Progress(role="actor", replica=1, time=9.0, step=4, idle_fraction=0.4)
+    data = _heartbeat_patch(beat, operator_schema=1)["data"]
+    assert "idle_fraction" not in data[beat.key]
+    read = json.loads(previous_release.run_python(old_tree, OLD_READ_PROGRESS, json.dumps(data)))
+    assert [(p["role"], p["replica"], p["step"]) for p in read] == [("actor", 1, 4)]
+
+
+def test_heartbeat_to_current_operator_keeps_the_newer_fields() -> None:
+    beat = Progress(role="actor", time=9.0, step=4, idle_fraction=0.4)
+    data = _heartbeat_patch(beat)["data"]
+    assert json.loads(data[beat.key])["idle_fraction"] == 0.4

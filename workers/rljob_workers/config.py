@@ -241,6 +241,16 @@ class Control(_Model):
     max_versions: int | None = Field(None, description="tightened staleness bound, if any")
 
 
+PROGRESS_FIELDS_SINCE: dict[str, int] = {
+    "idle_fraction": 2,
+    "accelerator_util": 2,
+    "accelerator_util_std": 2,
+}
+"""Progress fields added after schema 1, with the schema version that added them: a report to
+an operator of an older schema leaves them out (that operator's model refuses unknown fields
+and would drop the whole report)."""
+
+
 class Progress(_Model):
     """A worker's heartbeat: what it reports to the operator (one entry per process).
 
@@ -273,6 +283,11 @@ class Progress(_Model):
         None, description="standard deviation of GPU utilisation over the last step (%)"
     )
     done: bool = Field(False, description="totalSteps reached; the job may finish")
+
+    def dump_for(self, schema: int) -> str:
+        """The JSON an operator speaking worker schema ``schema`` reads."""
+        newer = {name for name, since in PROGRESS_FIELDS_SINCE.items() if since > schema}
+        return self.model_dump_json(exclude=newer or None)
 
     @property
     def key(self) -> str:

@@ -50,8 +50,10 @@ class KubeHeartbeat:
         ca_file: str | None = None,
         insecure: bool = False,
         timeout: float = 5.0,
+        operator_schema: int = SCHEMA_VERSION,
     ) -> None:
         name = f"{job_name}{PROGRESS_CONFIGMAP_SUFFIX}"
+        self.operator_schema = operator_schema  # reports leave out fields that operator lacks
         self.url = f"{server.rstrip('/')}/api/v1/namespaces/{namespace}/configmaps/{name}"
         self.token = token
         self.timeout = timeout
@@ -61,7 +63,9 @@ class KubeHeartbeat:
             self.context.verify_mode = ssl.CERT_NONE
 
     @classmethod
-    def in_cluster(cls, namespace: str, job_name: str) -> KubeHeartbeat:
+    def in_cluster(
+        cls, namespace: str, job_name: str, operator_schema: int = SCHEMA_VERSION
+    ) -> KubeHeartbeat:
         """Use the pod's mounted ServiceAccount credentials."""
         host = os.environ["KUBERNETES_SERVICE_HOST"]
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
@@ -71,10 +75,14 @@ class KubeHeartbeat:
             namespace=namespace,
             job_name=job_name,
             ca_file=str(SA_DIR / "ca.crt"),
+            operator_schema=operator_schema,
         )
 
     def write(self, progress: Progress) -> None:
-        data = {progress.key: progress.model_dump_json(), SCHEMA_KEY: str(SCHEMA_VERSION)}
+        data = {
+            progress.key: progress.dump_for(self.operator_schema),
+            SCHEMA_KEY: str(SCHEMA_VERSION),
+        }
         body = json.dumps({"data": data}).encode()
         request = urllib.request.Request(
             self.url,
@@ -90,8 +98,11 @@ class KubeHeartbeat:
             resp.read()
 
 
-def heartbeat_from_env(namespace: str, job_name: str, output_dir: str) -> HeartbeatWriter:
-    """In a pod with a ServiceAccount token: the ConfigMap; otherwise files under output_dir."""
+def heartbeat_from_env(
+    namespace: str, job_name: str, output_dir: str, operator_schema: int = SCHEMA_VERSION
+) -> HeartbeatWriter:
+    """In a pod with a ServiceAccount token: the ConfigMap (reports in the form the operator's
+    schema version reads); otherwise files under output_dir."""
     if os.environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").exists():
-        return KubeHeartbeat.in_cluster(namespace, job_name)
+        return KubeHeartbeat.in_cluster(namespace, job_name, operator_schema)
     return FileHeartbeat(Path(output_dir) / "progress")

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
+from rljob_workers.config import SCHEMA_VERSION, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.heartbeat import heartbeat_from_env
 from rljob_workers.utilization import AcceleratorMonitor, IdleAccount
 
@@ -253,7 +253,12 @@ class RoleReporter:
         log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         self.sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
         self.heartbeat = (
-            heartbeat_from_env(config.job_namespace, config.job_name, config.output_dir)
+            heartbeat_from_env(
+                config.job_namespace,
+                config.job_name,
+                config.output_dir,
+                operator_schema(env),
+            )
             if heartbeat
             else None
         )
@@ -292,3 +297,11 @@ class RoleReporter:
         self.accelerator.close()
         self.sink.close()
         self.exporter.close()
+
+
+def operator_schema(env: ProcessEnv) -> int:
+    """The worker schema version of the operator that rendered this process's config (the
+    ``schema-version`` file beside it; none: the current one, e.g. a local run)."""
+    if not env.config_path:
+        return SCHEMA_VERSION
+    return WorkerConfig.schema_version_beside(env.config_path)
