@@ -233,6 +233,13 @@ def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
     return json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}  # type: ignore[no-any-return]
 
 
+def _delete_job(cluster: LocalCluster, ns: str, name: str) -> None:
+    """Delete a job and wait until its pods are gone: the one real node has 2 CPUs, and a later
+    test's pods stay Pending (Insufficient cpu) while an earlier job's pods hold requests."""
+    cluster.kubectl("delete", "rlj", name, "-n", ns, "--wait=true", "--timeout=120s", check=False)
+    wait_for(lambda: not _pods(cluster, ns, f"rljob.io/job={name}"), 180, f"pods of {name} gone")
+
+
 GRPO_STEPS = 40
 LINE = re.compile(r"^\[(?P<job>[\w-]+)\] step (?P<step>\d+)/\d+  reward (?P<reward>[\d.]+)")
 
@@ -305,12 +312,16 @@ def test_missing_image_is_a_condition_naming_the_image(
                 return c  # type: ignore[no-any-return]
         return None
 
-    cond = wait_for(image_condition, 180, "a condition about the missing image")
-    assert missing in cond["message"]  # type: ignore[index]
-    events = get_json(real_cluster, "events", "-n", ns)["items"]
-    assert any(
-        missing in e.get("message", "") and e["involvedObject"]["kind"] == "RLJob" for e in events
-    )
+    try:
+        cond = wait_for(image_condition, 180, "a condition about the missing image")
+        assert missing in cond["message"]  # type: ignore[index]
+        events = get_json(real_cluster, "events", "-n", ns)["items"]
+        assert any(
+            missing in e.get("message", "") and e["involvedObject"]["kind"] == "RLJob"
+            for e in events
+        )
+    finally:
+        _delete_job(real_cluster, ns, name)
 
 
 # ------------------------------------------------------------------ disaggregated, failover
