@@ -96,7 +96,8 @@ def test_upgrade_from_previous_release_keeps_jobs_running(
 
     wait_for(all_running, 120, "every example Running under the previous release")
     beat = Progress(role="actor", replica=0, time=1.0, step=5, policy_version=5)
-    patch = json.dumps({"data": {beat.key: beat.model_dump_json()}})
+    # as a worker reports to an operator of schema 1 (no schema-version beside its config)
+    patch = json.dumps({"data": {beat.key: beat.dump_for(1)}})
     cluster.kubectl(
         "patch", "configmap", "grpo-colocated-progress", "-n", NS, "--type=merge", "-p", patch
     )
