@@ -451,9 +451,9 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def start_webhook(kube: Kube, settings: WebhookSettings) -> WebhookServer:
-    """Certificate, server, CRD, storage migration; then a thread that rotates the certificate."""
-    certs = ensure_certificate(
+def _certificate(kube: Kube, settings: WebhookSettings) -> Certificates:
+    """The serving certificate in the Secret, created or rotated when due."""
+    return ensure_certificate(
         kube,
         settings.secret_namespace,
         settings.secret_name,
@@ -461,6 +461,11 @@ def start_webhook(kube: Kube, settings: WebhookSettings) -> WebhookServer:
         settings.validity,
         _now(),
     )
+
+
+def start_webhook(kube: Kube, settings: WebhookSettings) -> WebhookServer:
+    """Certificate, server, CRD, storage migration; then a thread that rotates the certificate."""
+    certs = _certificate(kube, settings)
     server = WebhookServer(settings.port, certs)
     server.start()
     service, url = client_config(settings.service, settings.url_host, settings.port)
@@ -479,14 +484,7 @@ def _keep_certificate(kube: Kube, server: WebhookServer, settings: WebhookSettin
     while True:
         time.sleep(settings.check_seconds)
         try:
-            certs = ensure_certificate(
-                kube,
-                settings.secret_namespace,
-                settings.secret_name,
-                settings.hosts(),
-                settings.validity,
-                _now(),
-            )
+            certs = _certificate(kube, settings)
             if published_bundle(kube) != certs.bundle:
                 ensure_crd(kube, service, url, certs.bundle, schema=False)
             if certs.cert != server.serving.cert:
