@@ -538,7 +538,9 @@ def test_rljob_run_local_dapo_example_vllm_2_rollouts_2_trainers_learns(tiny_mod
             "miniBatchSize": 4,
             "ppoEpochs": 2,
             "klCoef": 0.05,
-            "learningRate": 5e-3,
+            # 5e-3 collapsed the policy's entropy before it knew every digit in about 1 async run
+            # in 4 (reward stuck near 0.05 after reaching 0.6); 2e-3 reached 0.63-0.91 on 10 seeds
+            "learningRate": 2e-3,
             "overlongBuffer": {"enabled": False},
         }
     )
