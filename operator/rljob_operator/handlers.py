@@ -1,8 +1,11 @@
 """kopf glue: thin handlers that run observe → reconcile → apply for one RLJob.
 
 Each RLJob the watch reports gets a worker task that reconciles whenever something about it
-changes (the job itself, one of its pods or ConfigMaps). Wake-ups that arrive during a pass, or
-within ``MIN_INTERVAL_SECONDS`` of the last one, coalesce into one pass. A job asks for its next
+changes (the job itself, one of its pods or ConfigMaps). Wake-ups that arrive during a pass
+coalesce into one pass, and each job's passes are rate-limited by a token bucket
+(``PassBudget``: bursts of ``PASS_BURST`` passes, then ``PASS_RATE`` per second), so the chain
+delete → deleted → create → scheduled of a failover runs at watch speed while a job whose passes
+keep waking it cannot spin. A job asks for its next
 pass itself (backoff, degrade delay, TTL); an idle running job is re-checked every
 ``RESYNC_SECONDS``, a finished one only when something changes. Reconcile is level-triggered and
 idempotent: after a crash or restart the next pass converges to the same children.
@@ -35,7 +38,10 @@ from rljob_operator.reconcile import FINISHED, Policy, reconcile
 from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX
 
 RESYNC_SECONDS = 300.0
-MIN_INTERVAL_SECONDS = 1.0
+PASS_RATE = 1.0
+"""Passes per second one job may sustain."""
+PASS_BURST = 5.0
+"""Passes one job may run back to back before ``PASS_RATE`` applies."""
 PROGRESS_COALESCE_SECONDS = 3.0
 """Heartbeats from every worker of a job within this window cost one pass."""
 log = logging.getLogger(__name__)
@@ -53,6 +59,26 @@ def _client() -> Kube:
     if _kube is None:
         _kube = Kube.connect()
     return _kube
+
+
+@dataclasses.dataclass
+class PassBudget:
+    """A token bucket for one job's passes (the shape of client-go's bucket rate limiter)."""
+
+    rate: float = PASS_RATE
+    burst: float = PASS_BURST
+    tokens: float = PASS_BURST
+    at: float | None = None
+
+    def take(self, now: float) -> float:
+        """Spend a pass at ``now``; the seconds to wait before running it."""
+        if self.at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= 1.0
+        if self.tokens >= 0.0:
+            return 0.0
+        return -self.tokens / self.rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +116,10 @@ async def _run_job(key: tuple[str, str]) -> None:
     """Reconcile one job whenever it is woken (or its requested delay passes) until it is gone."""
     namespace, name = key
     wake = _wakeups[key]
+    budget = PassBudget()
     while True:
+        await asyncio.sleep(budget.take(time.monotonic()))
         wake.clear()
-        started = time.monotonic()
         try:
             step = await asyncio.to_thread(reconcile_once, namespace, name)
         except ApiException as exc:  # an expected API error: one line, no traceback
@@ -114,7 +141,6 @@ async def _run_job(key: tuple[str, str]) -> None:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), timeout=step.delay)
-        await asyncio.sleep(max(0.0, started + MIN_INTERVAL_SECONDS - time.monotonic()))
 
 
 def _wake(namespace: str, name: str) -> None:

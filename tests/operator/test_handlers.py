@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -70,6 +71,48 @@ def test_progress_heartbeats_coalesce_into_one_wake(monkeypatch: pytest.MonkeyPa
         handlers._wakeups.pop(key, None)
     assert (at_once, later, pending) == (False, True, 1)
     assert key not in handlers._nudges
+
+
+def test_pass_budget_burst_back_to_back_then_pass_rate() -> None:
+    budget = handlers.PassBudget(rate=1.0, burst=5.0)
+    waits = [budget.take(100.0) for _ in range(5)]
+    assert waits == [0.0] * 5
+    assert budget.take(100.0) == pytest.approx(1.0)  # the sixth pays for itself
+    assert budget.take(101.0) == pytest.approx(1.0)  # sustained: one pass a second
+    assert budget.take(120.0) == 0.0  # idle time refills the bucket, up to the burst
+    assert [budget.take(120.0) for _ in range(4)] == [0.0] * 4
+    assert budget.take(120.0) > 0.0
+
+
+def test_run_job_failover_chain_passes_are_not_held_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass that deletes a failed pod is followed, on the deletion's watch event, by the pass
+    that creates its replacement; a fixed 1 s floor between passes made failover MTTR 1.8 s
+    instead of 0.7 s."""
+    key = ("ns", "chain")
+    starts: list[float] = []
+
+    def reconcile_once(namespace: str, name: str) -> handlers.Pass:
+        starts.append(time.monotonic())
+        return handlers.Pass(None, gone=len(starts) >= 3)
+
+    monkeypatch.setattr(handlers, "reconcile_once", reconcile_once)
+
+    async def scenario() -> None:
+        wake = handlers._wakeups.setdefault(key, asyncio.Event())
+        worker = asyncio.create_task(handlers._run_job(key))
+        for _ in range(2):
+            await asyncio.sleep(0.05)
+            wake.set()
+        await asyncio.wait_for(worker, timeout=5.0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        handlers._wakeups.pop(key, None)
+    assert len(starts) == 3
+    assert starts[2] - starts[0] < 0.9, starts
 
 
 def test_kopf_watches_only_labelled_pods_and_configmaps_server_side() -> None:
