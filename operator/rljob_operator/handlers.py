@@ -38,9 +38,9 @@ from rljob_operator.reconcile import FINISHED, Policy, reconcile
 from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX
 
 RESYNC_SECONDS = 300.0
-PASS_RATE = 1.0
+PASS_RATE = 2.0
 """Passes per second one job may sustain."""
-PASS_BURST = 5.0
+PASS_BURST = 10.0
 """Passes one job may run back to back before ``PASS_RATE`` applies."""
 PROGRESS_COALESCE_SECONDS = 3.0
 """Heartbeats from every worker of a job within this window cost one pass."""
@@ -67,8 +67,11 @@ class PassBudget:
 
     rate: float = PASS_RATE
     burst: float = PASS_BURST
-    tokens: float = PASS_BURST
-    at: float | None = None
+    tokens: float = dataclasses.field(init=False)
+    at: float | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.burst  # a new job starts with a full bucket
 
     def take(self, now: float) -> float:
         """Spend a pass at ``now``; the seconds to wait before running it."""
