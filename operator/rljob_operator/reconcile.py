@@ -43,6 +43,7 @@ from rljob_operator.builders import (
     JobRef,
     Topology,
     build_children,
+    checkpoint_claim_name,
     configmap_name,
     covers,
     gang_flavour,
@@ -90,6 +91,11 @@ QUEUE_IGNORED = (
     "gang: true and schedulerName: volcano; to queue through Kueue put the label "
     "kueue.x-k8s.io/queue-name=<LocalQueue> on the RLJob"
 )
+EPHEMERAL = (
+    "spec.checkpoint.ephemeral: checkpoints are kept in an emptyDir and deleted with their pod; "
+    "a restarted or resumed trainer group starts again from step 0. Remove ephemeral for a "
+    "per-job claim, or set spec.checkpoint.claimName"
+)
 GANG_UNAVAILABLE = (
     "spec.scheduling.gang: no PodGroup API (Volcano or scheduler-plugins coscheduling) is "
     "installed; pods are created without gang scheduling. Install one, or set gang: false"
@@ -124,6 +130,7 @@ class Observed:
     apply_errors: tuple[str, ...] = ()  # the API server's refusals of children, last pass
     apply_failures: int = 0  # passes in a row whose children were refused
     kueue: Observation = field(default_factory=Observation)  # with kueue.x-k8s.io/queue-name
+    checkpoint_claim: dict[str, Any] | None = None  # the claim checkpoints live on, as read
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,45 @@ def _pod_phase(pod: dict[str, Any]) -> str:
 
 
 IMAGE_WAIT_REASONS = ("ErrImageNeverPull", "ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+CLAIM_REASONS = ("CheckpointClaimMissing", "CheckpointClaimPending")
+CLAIM_PENDING_SECONDS = 60.0
+"""How long a checkpoint claim with a StorageClass may stay Pending before the job says so
+(provisioning takes a while; WaitForFirstConsumer classes bind once a pod is scheduled)."""
+
+
+def claim_problem(
+    spec: RLJobSpec, ref: JobRef, claim: dict[str, Any] | None, now: float
+) -> tuple[str, str] | None:
+    """(reason, message) when the checkpoint claim is missing or cannot bind, else None."""
+    name = checkpoint_claim_name(spec, ref)
+    if name is None:
+        return None
+    if claim is None:
+        if not spec.checkpoint.claim_name:
+            return None  # the per-job claim is about to be created
+        return "CheckpointClaimMissing", (
+            f"spec.checkpoint.claimName: PersistentVolumeClaim {name} does not exist in "
+            f"namespace {ref.namespace}; create it, or remove claimName and the operator "
+            "creates a per-job claim"
+        )
+    if (claim.get("status") or {}).get("phase", "Pending") != "Pending":
+        return None
+    storage_class = (claim.get("spec") or {}).get("storageClassName")
+    if not storage_class:
+        return "CheckpointClaimPending", (
+            f"checkpoint claim {name} is Pending: it names no StorageClass and the cluster has "
+            "no default one; set spec.checkpoint.storageClassName, mark a StorageClass as the "
+            "default, or set spec.checkpoint.claimName to a claim that is bound"
+        )
+    created = _seconds(claim["metadata"].get("creationTimestamp"))
+    if created is None or now - created < CLAIM_PENDING_SECONDS:
+        return None
+    return "CheckpointClaimPending", (
+        f"checkpoint claim {name} (StorageClass {storage_class}) has been Pending for "
+        f"{now - created:.0f}s: check that class's provisioner (kubectl describe pvc {name}), "
+        "set spec.checkpoint.storageClassName to a class that provisions, or set "
+        "spec.checkpoint.claimName to a claim that is bound"
+    )
 
 
 def image_problem(pods: tuple[dict[str, Any], ...]) -> tuple[str, str] | None:
@@ -383,6 +429,8 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         summary = build_plan_summary(job, topology)
         work.status["planSummary"] = summary
         work.events.append(EventSpec("Normal", "Planned", summary))
+        if spec.checkpoint.ephemeral:
+            work.events.append(EventSpec("Warning", "EphemeralCheckpoints", EPHEMERAL))
     progress, mismatch = _parse_progress(observed, ref)
     if mismatch:
         work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
@@ -527,6 +575,8 @@ def _missing(
         return (kind, name) not in observed.present
     if kind == "ConfigMap":
         return _differs(obj, observed.configmaps.get(name))
+    if kind == "PersistentVolumeClaim":  # created once; its spec is the server's from then on
+        return observed.checkpoint_claim is None
     return True
 
 
@@ -1034,7 +1084,9 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["phase"] = "Restarting"
         else:
             status["phase"] = "Pending"
-            problem = image_problem(observed.pods)
+            problem = image_problem(observed.pods) or claim_problem(
+                spec, ref, observed.checkpoint_claim, now
+            )
             if problem:
                 status["message"] = problem[1]
         if spec.suspend or (status["phase"] == "Running" and not work.restarts):
@@ -1174,14 +1226,15 @@ def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:
 
 
 def _image_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
-    """A Warning when the Running condition turns to an image problem (once, not every pass)."""
+    """A Warning when the Running condition turns to an image or checkpoint-claim problem (once,
+    not every pass)."""
 
     def running(status: dict[str, Any]) -> dict[str, Any]:
         conditions = status.get("conditions", [])
         return next((c for c in conditions if c.get("type") == "Running"), {})
 
     now, before = running(new), running(old)
-    if now.get("reason") in IMAGE_WAIT_REASONS and (
+    if now.get("reason") in (*IMAGE_WAIT_REASONS, *CLAIM_REASONS) and (
         before.get("reason"),
         before.get("message"),
     ) != (now["reason"], now.get("message")):

@@ -46,8 +46,8 @@ from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.checkpoint import (
     CheckpointState,
-    latest_checkpoint,
     load_checkpoint,
+    resume_point,
     save_checkpoint,
 )
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
@@ -441,12 +441,13 @@ class TrainerWorker:
         return path
 
     def _resume(self) -> None:
-        chosen = self.config.checkpoint.resume_from
-        if chosen is None and self.config.checkpoint.resume:
-            found = latest_checkpoint(self.config.checkpoint.dir)
-            chosen = None if found is None else str(found)
-        if chosen is None:
+        named = self.config.checkpoint.resume_from
+        if named is None and not self.config.checkpoint.resume:
             return
+        found = resume_point(self.config.checkpoint.dir, named)
+        if found is None:
+            return
+        chosen = str(found)
         modules, optimizers = self.learner.checkpoint_parts()
         state = load_checkpoint(chosen, modules=modules, optimizers=optimizers)
         self.step, self.version = state.step, state.policy_version
