@@ -1499,10 +1499,17 @@ class RLJobStatus(StatusModel):
     last_scale_time: AwareDatetime | None = Field(
         None, description="When the built-in elastic policy last changed the rollout replicas."
     )
+    last_scale_direction: Literal["up", "down"] | None = Field(
+        None,
+        description="Which way the built-in elastic policy last scaled; scaling back the "
+        "other way waits longer (hysteresis).",
+    )
     resume_from: str | None = Field(
         None,
         max_length=_PATH_MAX,
-        description="Checkpoint the trainer resumes from after a restart or a resume from suspend.",
+        description="Checkpoint the trainer group resumes from when it next starts (after a "
+        "restart, a resume or a re-admission): the newest one reported; the trainers take a "
+        "newer one when the volume holds it.",
     )
     kueue: KueueStatus | None = Field(
         None, description="Kueue admission (jobs with the label kueue.x-k8s.io/queue-name)."

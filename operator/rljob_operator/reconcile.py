@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -47,6 +48,7 @@ from rljob_operator.builders import (
     configmap_name,
     covers,
     gang_flavour,
+    pod_name,
     progress_name,
     role_replicas,
     roles_for,
@@ -434,7 +436,11 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     progress, mismatch = _parse_progress(observed, ref)
     if mismatch:
         work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
-    _report_progress(work, progress, spec, topology)
+    present = _reports_of_present_pods(progress, observed.pods, ref)
+    live = [p for p in present if now - p.time <= policy.progress_stale_seconds]
+    _report_progress(work, progress, live, spec, topology)
+    if spec.checkpoint.ephemeral:
+        _forget_dead_checkpoints(work, present, topology)
 
     ctx = _Job(observed, spec, topology, key, old, generation, now, stored)
     if old.get("phase") in FINISHED:
@@ -448,7 +454,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         spec = job.spec
         ctx = dataclasses.replace(ctx, spec=spec)
 
-    _failover(observed, work, spec, topology, now)
+    _failover(observed, work, spec, topology, now, _finishing(progress, spec, topology))
     if work.status.get("phase") == "Failed":
         return _plan(ctx, work, ())
     control = _degrade(work, spec, progress, old, now)
@@ -526,7 +532,7 @@ def _kueue_gate(ctx: _Job, work: _Pass, queue: str | None) -> Gate | None:
     work.kueue = gate
     work.status["kueue"] = gate.status
     work.events += [EventSpec(*e) for e in gate.events]
-    if gate.hold and checkpoint and not ctx.spec.suspend:
+    if gate.hold and checkpoint and not ctx.spec.suspend and not ctx.spec.checkpoint.ephemeral:
         work.status["resumeFrom"] = checkpoint
     return gate
 
@@ -627,10 +633,46 @@ def _controlled_restart(
             )
 
 
+def _reports_of_present_pods(
+    progress: list[Progress], pods: tuple[dict[str, Any], ...], ref: JobRef
+) -> list[Progress]:
+    """The reports written by pods that still run: the pod of that role and replica exists, is
+    not finished or terminating, and the report is not older than the pod (a report left by an
+    earlier pod of the same name is a dead pod's)."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    out = []
+    for report in progress:
+        pod = by_name.get(pod_name(ref, report.role, report.replica))
+        if pod is None or _pod_phase(pod) in ("Terminating", "Succeeded", "Failed"):
+            continue
+        created = _seconds(pod["metadata"].get("creationTimestamp"))
+        if created is None or report.time >= created - CLOCK_SKEW_SECONDS:
+            out.append(report)
+    return out
+
+
+CLOCK_SKEW_SECONDS = 5.0
+"""How far a worker's clock may run behind the API server's before its report looks older than
+its own pod."""
+
+
+def checkpoint_step(path: str, default: int = 0) -> int:
+    """The training step of a checkpoint directory (``.../step-00000050`` → 50)."""
+    match = re.search(r"step-(\d+)/?$", path)
+    return int(match.group(1)) if match else default
+
+
 def _report_progress(
-    work: _Pass, progress: list[Progress], spec: RLJobSpec, topology: Topology
+    work: _Pass,
+    progress: list[Progress],
+    live: list[Progress],
+    spec: RLJobSpec,
+    topology: Topology,
 ) -> None:
-    """Copy the workers' reports into the status (rank 0 of the training role leads)."""
+    """Copy the workers' reports into the status: step, version, reward, checkpoint from rank 0
+    of the training role (its last report, even from a pod that is gone); lag, throughput and
+    utilisation only from ``live`` reports (pods that run, within the heartbeat window), so a
+    dead pod's numbers never pin the status."""
     lead_role = "actor" if topology == "colocated" else "trainer"
     lead = next((p for p in progress if p.role == lead_role and p.replica == 0), None)
     if lead is not None:
@@ -643,16 +685,44 @@ def _report_progress(
         if lead.reward_mean is not None:
             work.status["rewardMean"] = round(lead.reward_mean, 4)
         if lead.last_checkpoint:
-            work.status["lastCheckpoint"] = {"step": lead.step, "path": lead.last_checkpoint}
-    lags = [p.policy_lag_ms for p in progress if p.policy_lag_ms is not None]
+            _checkpoint_reported(work, lead.last_checkpoint, lead.step)
+    lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
     if lags:
         work.status["policyLagMs"] = round(max(lags), 3)
-    rates = [p.tokens_per_second for p in progress if p.tokens_per_second is not None]
+    else:
+        work.status.pop("policyLagMs", None)
+    rates = [p.tokens_per_second for p in live if p.tokens_per_second is not None]
     if rates:
         work.status["tokensPerSecond"] = round(sum(rates), 1)
-    utilization = build_utilization_status(progress)
+    else:
+        work.status.pop("tokensPerSecond", None)
+    utilization = build_utilization_status(live)
     if utilization:
         work.status["utilization"] = utilization
+    else:
+        work.status.pop("utilization", None)
+
+
+def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:
+    """The lead's newest checkpoint: status.lastCheckpoint (its own step, not the current one),
+    and status.resumeFrom, when set, moves up to it (an older one may be pruned by keep)."""
+    newest = {"step": checkpoint_step(path, step), "path": path}
+    before = work.status.get("lastCheckpoint") or {}
+    if before.get("path") == path:
+        newest = {**before, **newest}
+    work.status["lastCheckpoint"] = newest
+    resume = work.status.get("resumeFrom")
+    if resume and checkpoint_step(resume, -1) < newest["step"]:
+        work.status["resumeFrom"] = path
+
+
+def _forget_dead_checkpoints(work: _Pass, present: list[Progress], topology: Topology) -> None:
+    """Ephemeral checkpoints die with the lead's pod: once no running pod reported it, the
+    status names no checkpoint, so nothing resumes from one that is gone."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    if not any(p.role == lead_role and p.replica == 0 and p.last_checkpoint for p in present):
+        work.status.pop("lastCheckpoint", None)
+        work.status.pop("resumeFrom", None)
 
 
 def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, float]]:
@@ -674,6 +744,13 @@ def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, fl
     return out
 
 
+def _finishing(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
+    """Whether the training role is at its last step (or done): workers that complete now are
+    leaving because the job ends, not failing."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    return any(p.role == lead_role and (p.done or p.step >= spec.total_steps - 1) for p in progress)
+
+
 def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
     lead_role = "actor" if topology == "colocated" else "trainer"
     return any(
@@ -682,14 +759,22 @@ def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool
     )
 
 
-def _failure(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> Failure | None:
-    """Why a pod must be replaced (its failure reason and exit code), else None."""
+def _failure(
+    pod: dict[str, Any], nodes_ready: dict[str, bool], finishing: bool = False
+) -> Failure | None:
+    """Why a pod must be replaced (its failure reason and exit code), else None.
+
+    A pod that completed (exit code 0, e.g. a rollout leaving on SIGTERM) while the job still
+    runs is replaced too (reason Error, exit code 0), unless the job is finishing."""
     phase = _pod_phase(pod)
     if phase == "Terminating":
         return None
     node = pod.get("spec", {}).get("nodeName")
     node_lost = bool(node) and not nodes_ready.get(node, True)
     status = pod.get("status", {})
+    if phase == "Succeeded" and not finishing:
+        code = _exit_code(status)
+        return Failure("Error", code, f"Completed (exit code {code or 0}) while the job runs")
     if phase != "Failed":
         return Failure("NodeLost", None, f"node {node} NotReady") if node_lost else None
     code = _exit_code(status)
@@ -744,9 +829,15 @@ def _decide(spec: RLJobSpec, role: str, failure: Failure) -> tuple[str, str]:
 
 
 def _failover(
-    observed: Observed, work: _Pass, spec: RLJobSpec, topology: Topology, now: float
+    observed: Observed,
+    work: _Pass,
+    spec: RLJobSpec,
+    topology: Topology,
+    now: float,
+    finishing: bool = False,
 ) -> None:
-    """Role-scoped replacement of failed pods, with backoff, failure rules and the budget."""
+    """Role-scoped replacement of failed (or completed, unless ``finishing``) pods, with backoff,
+    failure rules and the budget."""
     restarts = dict(work.status.get("restarts") or {"rollout": 0, "trainer": 0})
     for pod in observed.pods:
         node = pod.get("spec", {}).get("nodeName")
@@ -762,7 +853,9 @@ def _failover(
         counter = "rollout" if role == "rollout" else "trainer"
         pods = [p for p in observed.pods if _role(p) == role]
         failures = {
-            p["metadata"]["name"]: f for p in pods if (f := _failure(p, observed.nodes_ready))
+            p["metadata"]["name"]: f
+            for p in pods
+            if (f := _failure(p, observed.nodes_ready, finishing))
         }
         decided = {n: (*_decide(spec, role, f), f) for n, f in failures.items()}
         fatal = [
@@ -786,7 +879,9 @@ def _failover(
             restarts[counter] = restarts.get(counter, 0) + len(counted)
             work.restarts[counter] = len(failures)
         elif failures:
-            _restart_group(observed, work, pods, role, decided, counted, now)
+            _restart_group(
+                observed, work, pods, role, decided, counted, now, spec.checkpoint.ephemeral
+            )
             restarts[counter] = restarts.get(counter, 0) + (1 if counted else 0)
             work.restarts[counter] = 1
         if restarts.get(counter, 0) > spec.failure_policy.max_restarts:
@@ -816,6 +911,7 @@ def _restart_group(
     decided: dict[str, tuple[str, str, Failure]],
     counted: list[str],
     now: float,
+    ephemeral: bool = False,
 ) -> None:
     """Delete the whole trainer group (or actor gang) to restart it from the last checkpoint."""
     for pod in pods:
@@ -823,11 +919,20 @@ def _restart_group(
             work.delete.append(_replace(observed, pod))
     if counted:  # backoff counts from counted restarts only
         work.status["lastRestartTime"] = _iso(now)
-    checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
-    work.status["resumeFrom"] = checkpoint
+    checkpoint = None if ephemeral else (work.status.get("lastCheckpoint") or {}).get("path")
+    if checkpoint:
+        work.status["resumeFrom"] = checkpoint
+    else:
+        work.status.pop("resumeFrom", None)
     what = "trainer group" if role == "trainer" else "actor gang"
     detail = ", ".join(f"{n}: {f.text}" for n, (_, _, f) in sorted(decided.items()))
-    resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
+    resume = (
+        f"resuming from {checkpoint}"
+        if checkpoint
+        else "starting from step 0: checkpoints are ephemeral (spec.checkpoint.ephemeral)"
+        if ephemeral
+        else "no checkpoint yet"
+    )
     note = "counted" if counted else f"not counted ({next(iter(decided.values()))[1]})"
     work.events.append(
         EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}; {note}")
