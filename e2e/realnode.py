@@ -593,12 +593,6 @@ def job_for_real_node(
     return job
 
 
-def make_readable(root: Path) -> None:
-    """Let the pods' non-root uid read a model folder (safetensors writes its file 0600)."""
-    for path in [root, *root.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
 def prepare_namespace_main(argv: list[str]) -> int:
     """``python e2e/realnode.py prepare NAMESPACE DIR``: print (YAML) the namespace, the tiny
     model and checkpoint volumes under DIR; builds the model there first."""
@@ -610,7 +604,6 @@ def prepare_namespace_main(argv: list[str]) -> int:
     model_dir, ckpt_dir = root / "models", root / "checkpoints"
     if not (model_dir / "tiny-qwen2" / "config.json").exists():
         build_tiny_model(model_dir / "tiny-qwen2")
-    make_readable(model_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir.chmod(0o777)
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}

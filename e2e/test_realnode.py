@@ -212,7 +212,6 @@ def _job_namespace(cluster: LocalCluster, root: Path) -> str:
     cluster.kubectl("create", "namespace", ns)
     model_dir, ckpt_dir = root / f"{ns}-models", root / f"{ns}-checkpoints"
     build_tiny_model(model_dir / "tiny-qwen2")
-    realnode.make_readable(model_dir)
     ckpt_dir.mkdir(parents=True)
     ckpt_dir.chmod(0o777)
     docs = realnode.volume_manifests(ns, model_dir, ckpt_dir)
