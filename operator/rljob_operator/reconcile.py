@@ -458,7 +458,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     if work.status.get("phase") == "Failed":
         return _plan(ctx, work, ())
     control = _degrade(work, spec, progress, old, now)
-    _elastic(work, spec, topology, progress, old, now, policy, observed.job)
+    _elastic(work, spec, topology, live, old, now, policy, observed.job, observed.pods)
 
     desired = build_children(
         job,
@@ -706,13 +706,14 @@ def _report_progress(
 def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:
     """The lead's newest checkpoint: status.lastCheckpoint (its own step, not the current one),
     and status.resumeFrom, when set, moves up to it (an older one may be pruned by keep)."""
-    newest = {"step": checkpoint_step(path, step), "path": path}
+    at = checkpoint_step(path, step)
+    newest: dict[str, Any] = {"step": at, "path": path}
     before = work.status.get("lastCheckpoint") or {}
     if before.get("path") == path:
         newest = {**before, **newest}
     work.status["lastCheckpoint"] = newest
     resume = work.status.get("resumeFrom")
-    if resume and checkpoint_step(resume, -1) < newest["step"]:
+    if resume and checkpoint_step(resume, -1) < at:
         work.status["resumeFrom"] = path
 
 
@@ -1028,9 +1029,11 @@ def _elastic(
     now: float,
     policy: Policy,
     job: dict[str, Any],
+    pods: tuple[dict[str, Any], ...] = (),
 ) -> None:
-    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown; it
-    yields for good to any other writer of the scale subresource (one owner)."""
+    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown, a
+    start-up grace and hysteresis; it yields for good to any other writer of the scale
+    subresource (one owner)."""
     rollout = spec.rollout
     if topology != "disaggregated" or rollout.min_replicas is None or rollout.max_replicas is None:
         return
@@ -1061,20 +1064,62 @@ def _elastic(
     stale_before = sum(
         (old.get("droppedSamples") or {}).get(k, 0) for k in ("stale_version", "expired")
     )
-    target = rollout.replicas
-    why = ""
-    if trainer.starving and rollout.replicas < rollout.max_replicas:
-        target, why = rollout.replicas + 1, "the trainer is waiting for experience"
-    elif stale_now > stale_before and rollout.replicas > rollout.min_replicas:
-        target, why = rollout.replicas - 1, f"{stale_now - stale_before} samples dropped as stale"
-    if target != rollout.replicas:
-        work.scale_to = target
-        work.status["lastScaleTime"] = _iso(now)
-        work.events.append(
-            EventSpec(
-                "Normal", "Autoscaled", f"rollout replicas {rollout.replicas} → {target}: {why}"
-            )
-        )
+    target, direction = _scale_target(
+        rollout, trainer.starving, stale_now - stale_before, _rollouts_joined(pods, progress)
+    )
+    if direction is None:
+        return
+    wait = _reversal_wait(old, direction, now, policy)
+    if wait > 0:
+        work.requeue.append(wait)
+        return
+    why = (
+        "the trainer is waiting for experience"
+        if direction == "up"
+        else f"{stale_now - stale_before} samples dropped as stale"
+    )
+    work.scale_to = target
+    work.status["lastScaleTime"] = _iso(now)
+    work.status["lastScaleDirection"] = direction
+    work.events.append(
+        EventSpec("Normal", "Autoscaled", f"rollout replicas {rollout.replicas} → {target}: {why}")
+    )
+
+
+SCALE_REVERSAL_COOLDOWNS = 4
+"""Hysteresis: scaling back the other way waits this many cooldowns after the last change, so
+a signal that flickers on a busy node does not flap the replicas 3 → 4 → 3 → 4."""
+
+
+def _scale_target(
+    rollout: Any, starving: bool, newly_stale: int, joined: bool
+) -> tuple[int, str | None]:
+    """(replicas, "up" | "down") the elastic rule asks for, (replicas, None) for no change.
+
+    Up only when the trainer starves, no sample went stale since the last pass (more rollouts
+    would only age the data further) and every rollout pod has joined (start-up grace: a
+    rollout still loading its engine is no reason for another one); down only on stale samples
+    while the trainer is not starving."""
+    if starving and not newly_stale and joined and rollout.replicas < rollout.max_replicas:
+        return rollout.replicas + 1, "up"
+    if newly_stale > 0 and not starving and rollout.replicas > rollout.min_replicas:
+        return rollout.replicas - 1, "down"
+    return rollout.replicas, None
+
+
+def _rollouts_joined(pods: tuple[dict[str, Any], ...], progress: list[Progress]) -> bool:
+    """Every rollout pod is ready and at least one rollout has reported (served experience)."""
+    rollouts = [p for p in pods if _role(p) == "rollout"]
+    reported = any(p.role == "rollout" for p in progress)
+    return bool(rollouts) and reported and all(_pod_ready(p) for p in rollouts)
+
+
+def _reversal_wait(old: dict[str, Any], direction: str, now: float, policy: Policy) -> float:
+    """Seconds a scale against the last direction still has to wait (0: go ahead)."""
+    before, last = old.get("lastScaleDirection"), _seconds(old.get("lastScaleTime"))
+    if before is None or before == direction or last is None:
+        return 0.0
+    return max(0.0, last + SCALE_REVERSAL_COOLDOWNS * policy.scale_cooldown_seconds - now)
 
 
 def _succeed(ctx: _Job, work: _Pass) -> Plan:
@@ -1187,6 +1232,8 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["phase"] = "Degraded" if status.get("degradeAction") else "Running"
         elif restarting or (old.get("phase") == "Restarting" and work.hold_roles):
             status["phase"] = "Restarting"
+        elif _still_serving(per_role, old):
+            status["phase"] = "Degraded" if status.get("degradeAction") else "Running"
         else:
             status["phase"] = "Pending"
             problem = image_problem(observed.pods) or claim_problem(
@@ -1222,6 +1269,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         if status["phase"] == "Pending":
             status["message"] = "children refused by the API server: " + "; ".join(refused)
         work.events.append(EventSpec("Warning", "ChildCreateFailed", "; ".join(refused)))
+    every = all(v["ready"] == v["desired"] for v in per_role.values())
     status["conditions"] = _conditions(
         old.get("conditions", []),
         status,
@@ -1233,12 +1281,29 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         work.pending_why,
         None if work.kueue is None or work.user_suspended or not work.kueue.hold else work.kueue,
         problem,
+        None
+        if every
+        else "rollouts {ready}/{desired} ready".format(**per_role.get("rollout", empty)),
     )
     if work.kueue is not None:
         value, reason, text = work.kueue.admitted
         status["conditions"].append(
             _condition(old.get("conditions", []), "Admitted", value, reason, text, generation, now)
         )
+
+
+def _still_serving(per_role: dict[str, dict[str, int]], old: dict[str, Any]) -> bool:
+    """A job that ran keeps running while only rollout pods start (a replacement, a scale-up):
+    the trainer group is ready and at least one rollout serves it."""
+    trainer, rollout = per_role.get("trainer"), per_role.get("rollout")
+    return (
+        old.get("phase") in ("Running", "Degraded", "Restarting")
+        and bool(old.get("startTime"))
+        and trainer is not None
+        and rollout is not None
+        and trainer["ready"] == trainer["desired"]
+        and rollout["ready"] >= 1
+    )
 
 
 def _condition(
@@ -1274,6 +1339,7 @@ def _conditions(
     pending_why: str = "",
     held: Gate | None = None,
     waiting: tuple[str, str] | None = None,
+    starting: str | None = None,
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -1292,8 +1358,10 @@ def _conditions(
         else ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
         "Running": flag(
             phase in ("Running", "Degraded"),
-            "AllPodsReady",
-            "every pod of every role is ready",
+            "TrainerReady" if starting else "AllPodsReady",
+            f"the trainer group is ready; {starting} (the others are starting)"
+            if starting
+            else "every pod of every role is ready",
             waiting_reason,
             waiting_text,
         ),
