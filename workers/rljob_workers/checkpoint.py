@@ -39,6 +39,8 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "published_version",
+    "record_published_version",
     "restore_rng_state",
     "resume_point",
     "save_checkpoint",
@@ -220,6 +222,27 @@ def resume_point(root: str | Path, named: str | Path | None = None) -> Path | No
             "re-create the job to start from step 0"
         )
     return None
+
+
+PUBLISHED_FILE = "published-version"
+
+
+def record_published_version(root: str | Path, version: int) -> None:
+    """Note (atomically, beside the checkpoints) the newest policy version handed to rollouts,
+    so a trainer that resumes from an older checkpoint numbers its versions past it."""
+    root_dir = Path(root)
+    root_dir.mkdir(parents=True, exist_ok=True)
+    tmp = root_dir / f"{_TMP_PREFIX}{PUBLISHED_FILE}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(str(version))
+    os.replace(tmp, root_dir / PUBLISHED_FILE)
+
+
+def published_version(root: str | Path) -> int | None:
+    """The newest version ``record_published_version`` noted under ``root``, or None."""
+    try:
+        return int((Path(root) / PUBLISHED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _step_of(path: Path) -> int:
