@@ -1504,6 +1504,12 @@ class RLJobStatus(StatusModel):
         description="Which way the built-in elastic policy last scaled; scaling back the "
         "other way waits longer (hysteresis).",
     )
+    last_scale_stale_drops: int | None = Field(
+        None,
+        ge=0,
+        description="Samples the trainer had dropped as stale at the last change of rollout "
+        "replicas; more since then ask for one rollout fewer.",
+    )
     resume_from: str | None = Field(
         None,
         max_length=_PATH_MAX,

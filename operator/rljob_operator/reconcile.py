@@ -1064,8 +1064,13 @@ def _elastic(
     stale_before = sum(
         (old.get("droppedSamples") or {}).get(k, 0) for k in ("stale_version", "expired")
     )
+    since_scale = stale_now - int(old.get("lastScaleStaleDrops") or 0)
     target, direction = _scale_target(
-        rollout, trainer.starving, stale_now - stale_before, _rollouts_joined(pods, progress)
+        rollout,
+        trainer.starving,
+        stale_now - stale_before,
+        since_scale,
+        _rollouts_joined(pods, progress),
     )
     if direction is None:
         return
@@ -1076,11 +1081,12 @@ def _elastic(
     why = (
         "the trainer is waiting for experience"
         if direction == "up"
-        else f"{stale_now - stale_before} samples dropped as stale"
+        else f"{since_scale} samples dropped as stale"
     )
     work.scale_to = target
     work.status["lastScaleTime"] = _iso(now)
     work.status["lastScaleDirection"] = direction
+    work.status["lastScaleStaleDrops"] = stale_now
     work.events.append(
         EventSpec("Normal", "Autoscaled", f"rollout replicas {rollout.replicas} → {target}: {why}")
     )
@@ -1092,17 +1098,17 @@ a signal that flickers on a busy node does not flap the replicas 3 → 4 → 3 �
 
 
 def _scale_target(
-    rollout: Any, starving: bool, newly_stale: int, joined: bool
+    rollout: Any, starving: bool, newly_stale: int, stale_since_scale: int, joined: bool
 ) -> tuple[int, str | None]:
     """(replicas, "up" | "down") the elastic rule asks for, (replicas, None) for no change.
 
     Up only when the trainer starves, no sample went stale since the last pass (more rollouts
     would only age the data further) and every rollout pod has joined (start-up grace: a
-    rollout still loading its engine is no reason for another one); down only on stale samples
-    while the trainer is not starving."""
+    rollout still loading its engine is no reason for another one); down when samples went
+    stale since the last change of replicas while the trainer is not starving."""
     if starving and not newly_stale and joined and rollout.replicas < rollout.max_replicas:
         return rollout.replicas + 1, "up"
-    if newly_stale > 0 and not starving and rollout.replicas > rollout.min_replicas:
+    if stale_since_scale > 0 and not starving and rollout.replicas > rollout.min_replicas:
         return rollout.replicas - 1, "down"
     return rollout.replicas, None
 

@@ -227,6 +227,9 @@ def test_elastic_policy_hysteresis_no_flapping_up_down_up() -> None:
     stale = Progress(role="trainer", time=NOW + 40, step=6, dropped={"stale_version": 3})
     soon = reconcile(with_progress(observed, stale, serving), now=NOW + 40, policy=policy)
     assert soon.scale_to is None  # past the cooldown, but a reversal waits longer
+    waited = with_status(observed, soon.status)  # the drops are in the status meanwhile
+    later = reconcile(with_progress(waited, stale, serving), now=NOW + 125, policy=policy)
+    assert later.scale_to == 1
     both = Progress(
         role="trainer", time=NOW + 200, step=9, starving=True, dropped={"stale_version": 3}
     )
