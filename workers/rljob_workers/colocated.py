@@ -42,6 +42,7 @@ import torch.distributed as dist
 from rljob_workers.algos import MAX_SAMPLING_ROUNDS, dynamic_sampling_keep_mask
 from rljob_workers.checkpoint import (
     CheckpointState,
+    latest_checkpoint,
     load_checkpoint,
     resume_point,
     save_checkpoint,
@@ -415,13 +416,12 @@ class ColocatedRuntime:
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Load the newest checkpoint (``path``, the operator's pick, or a newer one: see
-        ``checkpoint.resume_point``); False when there is none.
+        """Load ``path`` (default: the newest checkpoint); False when there is none.
 
         With several actors every one must find the same checkpoint (the checkpoint directory
         is shared), otherwise their weights would silently diverge: that raises instead.
         """
-        chosen = resume_point(self.config.checkpoint.dir, path)
+        chosen = Path(path) if path is not None else latest_checkpoint(self.config.checkpoint.dir)
         self._check_same_checkpoint(chosen)
         if chosen is None:
             return False
@@ -561,8 +561,10 @@ def run_colocated(
     """
     with process_group(env, config):
         runtime = build_colocated_runtime(config, env, engine=engine)
-        resume = config.checkpoint.resume or config.checkpoint.resume_from is not None
-        if resume and runtime.resume(config.checkpoint.resume_from):
+        named = config.checkpoint.resume_from
+        if (config.checkpoint.resume or named is not None) and runtime.resume(
+            resume_point(config.checkpoint.dir, named)  # the newest that exists
+        ):
             log.info("continuing at step %d (version %d)", runtime.step, runtime.policy_version)
         reporter = _StepReporter(config, env)
         runtime.on_idle = reporter.idle
