@@ -13,7 +13,8 @@
   Pending;
 - ``examples/dapo-disaggregated.yaml`` (one rollout pod, two trainer pods with gloo DDP between
   them) trains over the pod network, its checkpoints on the per-job claim the operator creates
-  (bound, owned by the job); SIGTERM to the rollout's process (not the pod object) makes it
+  (bound, owned by the job), the model claim at its ``mountPath``, and the trainer pods carry
+  their ``podTemplateOverrides`` (env from a Secret, a scratch volume, a label); SIGTERM to the rollout's process (not the pod object) makes it
   leave with exit code 0 and the Completed pod is replaced alone, the trainer pods' UIDs
   unchanged; killing a trainer process restarts the trainer group from a checkpoint that is on
   the claim's volume, and its versions continue past every version published before; suspend
@@ -389,6 +390,24 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     real_cluster.kubectl("apply", "-f", "-", input=json.dumps(volume))
     # two cores: one rollout pod (no elastic growth), two trainer pods (gloo DDP between pods)
     job["spec"]["rollout"].update({"replicas": 1, "minReplicas": 1, "maxReplicas": 1})
+    # the model claim mounted where spec.model.volume.mountPath says; trainer pods get extra
+    # pod-template fields: env from a Secret, a scratch volume, a label
+    job["spec"]["model"].update(path="/weights/tiny-qwen2")
+    job["spec"]["model"]["volume"]["mountPath"] = "/weights"
+    job["spec"]["trainer"]["podTemplateOverrides"] = {
+        "labels": {"team": "rl"},
+        "env": [
+            {
+                "name": "TEAM_GREETING",
+                "valueFrom": {"secretKeyRef": {"name": "extra", "key": "greeting"}},
+            }
+        ],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    }
+    real_cluster.kubectl(
+        "create", "secret", "generic", "extra", "-n", ns, "--from-literal=greeting=hello"
+    )
     real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
     rollouts, trainers = (
         f"rljob.io/job={name},rljob.io/role=rollout",
@@ -409,6 +428,10 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
         and claim["spec"]["volumeName"] == volume["metadata"]["name"]
     ), claim
     assert claim["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
+    trainer_pod = sorted(_uids(real_cluster, ns, f"{trainers},team=rl"))[0]
+    probe = "import os; print(os.environ['TEAM_GREETING'], os.access('/scratch', os.W_OK))"
+    seen = real_cluster.kubectl("exec", "-n", ns, trainer_pod, "--", "python", "-c", probe).stdout
+    assert seen.split() == ["hello", "True"], seen
 
     # a rollout process is told to stop (SIGTERM, not the pod object): it leaves with exit code
     # 0, and the Completed pod is replaced alone, trainer pods untouched
