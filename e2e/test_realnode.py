@@ -14,13 +14,14 @@
 - ``examples/dapo-disaggregated.yaml`` (one rollout pod, two trainer pods with gloo DDP between
   them) trains over the pod network, its checkpoints on the per-job claim the operator creates
   (bound, owned by the job), the model claim at its ``mountPath``, and the trainer pods carry
-  their ``podTemplateOverrides`` (env from a Secret, a scratch volume, a label); SIGTERM to the rollout's process (not the pod object) makes it
-  leave with exit code 0 and the Completed pod is replaced alone, the trainer pods' UIDs
-  unchanged; killing a trainer process restarts the trainer group from a checkpoint that is on
-  the claim's volume, and its versions continue past every version published before; suspend
-  deletes the pods and keeps the checkpoint on the volume, resume continues from it (the next
-  step, not step 0); then Succeeded. The test prints, for the trainer kill and for the
-  suspend/resume, the step before, the step resumed from and the seconds until a step after it.
+  their ``podTemplateOverrides`` (env from a Secret, a scratch volume, a label); SIGTERM to the
+  rollout's process (not the pod object) makes it leave with exit code 0 and the Completed pod
+  is replaced alone, the trainer pods' UIDs unchanged; killing a trainer process restarts the
+  trainer group from a checkpoint that is on the claim's volume, and its versions continue past
+  every version published before; suspend deletes the pods and keeps the checkpoint on the
+  volume, resume continues from it (not from step 0); then Succeeded. The test prints, for the
+  trainer kill and for the suspend/resume, the step before, the step resumed from and the
+  seconds until a step after it.
 
 Needs root and the node set-up of ``scripts/setup.sh``; skips naming what is missing otherwise, or
 with ``RLJOB_REAL_NODE=0``.
@@ -491,13 +492,13 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     assert st["lastCheckpoint"]["step"] == int(st["lastCheckpoint"]["path"].rsplit("-", 1)[1])
 
     # suspend: pods gone, the checkpoint kept on the claim; resume continues from it
-    at_suspend = _lead_report(real_cluster, ns, name)
     real_cluster.kubectl(
         "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
     )
     wait_for(
         lambda: not _pods(real_cluster, ns, f"rljob.io/job={name}"), 300, "pods gone on suspend"
     )
+    at_suspend = _lead_report(real_cluster, ns, name)  # what the trainer did before it left
     kept = _status(real_cluster, ns, name).get("lastCheckpoint")
     assert kept, "the checkpoint is kept while suspended"
     assert (ckpt_dir / Path(kept["path"]).name / "state.json").is_file()
@@ -514,7 +515,7 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
         interval=1.0,
     )
     print(
-        f"suspend/resume on real pods: step {at_suspend['step']} at suspend, resumed from step "
+        f"suspend/resume on real pods: step {at_suspend['step']} when suspended, resumed from step "
         f"{kept['step']}, first step after it {after['step']} "
         f"{after['time'] - resumed_at:.0f}s after the resume"
     )
