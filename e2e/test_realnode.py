@@ -19,7 +19,8 @@
   is replaced alone, the trainer pods' UIDs unchanged; killing a trainer process restarts the
   trainer group from a checkpoint that is on the claim's volume, and its versions continue past
   every version published before; suspend deletes the pods and keeps the checkpoint on the
-  volume, resume continues from it (not from step 0); then Succeeded. The test prints, for the
+  volume (the dead pods' lag and tokens/s leave the status), resume continues from it (not from
+  step 0); then Succeeded. The test prints, for the
   trainer kill and for the suspend/resume, the step before, the step resumed from and the
   seconds until a step after it.
 
@@ -499,6 +500,12 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
         lambda: not _pods(real_cluster, ns, f"rljob.io/job={name}"), 300, "pods gone on suspend"
     )
     at_suspend = _lead_report(real_cluster, ns, name)  # what the trainer did before it left
+    wait_for(  # no pod runs: no report counts for lag or throughput (none pinned by the dead)
+        lambda: not {"policyLagMs", "tokensPerSecond"} & set(_status(real_cluster, ns, name)),
+        120,
+        "lag and tokens/s gone from the status of a suspended job",
+        interval=1.0,
+    )
     kept = _status(real_cluster, ns, name).get("lastCheckpoint")
     assert kept, "the checkpoint is kept while suspended"
     assert (ckpt_dir / Path(kept["path"]).name / "state.json").is_file()
