@@ -22,7 +22,10 @@
   volume (the dead pods' lag and tokens/s leave the status), resume continues from it (not from
   step 0); then Succeeded. The test prints, for the
   trainer kill and for the suspend/resume, the step before, the step resumed from and the
-  seconds until a step after it.
+  seconds until a step after it;
+- with ``checkpoint.ephemeral`` (an emptyDir, really deleted with the pod) a Warning Event says
+  so; killing the actor process restarts the gang from step 0 (the GroupRestart Event says why),
+  with no resumeFrom and no lastCheckpoint left pointing at the lost checkpoint.
 
 Needs root and the node set-up of ``scripts/setup.sh``; skips naming what is missing otherwise, or
 with ``RLJOB_REAL_NODE=0``.
@@ -533,3 +536,56 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     )
     st = _status(real_cluster, ns, name)
     assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
+
+
+@pytest.mark.timeout(900)
+def test_ephemeral_checkpoints_die_with_the_pod_and_the_restart_says_step_0(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    job = real_job("grpo-colocated", steps=12, checkpoint_claim=None)
+    job["spec"]["checkpoint"]["ephemeral"] = True  # an emptyDir: deleted with its pod
+    job["spec"]["trainer"]["replicas"] = 1
+    name = job["metadata"]["name"]
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    try:
+        assert wait_for(lambda: _events(real_cluster, ns, "EphemeralCheckpoints"), 60, "warning")
+        wait_for(
+            lambda: (_status(real_cluster, ns, name).get("lastCheckpoint") or {}).get("step"),
+            600,
+            "a checkpoint in the pod's emptyDir",
+            interval=1.0,
+        )
+        actor = f"{name}-actor-0"
+        pid = _worker_pid(actor)
+        assert pid, f"no worker process of {actor} on the host"
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        restart = wait_for(
+            lambda: _events(real_cluster, ns, "GroupRestart"), 300, "the actor gang restarted"
+        )
+        assert "starting from step 0: checkpoints are ephemeral" in str(restart)
+        st = _status(real_cluster, ns, name)
+        assert "resumeFrom" not in st, st
+        wait_for(
+            lambda: "lastCheckpoint" not in _status(real_cluster, ns, name),
+            120,
+            "the dead pod's checkpoint gone from the status",
+        )
+
+        def first_step_after_kill() -> Any:
+            out = real_cluster.kubectl(
+                "get", "configmap", f"{name}-progress", "-n", ns, "-o", "json"
+            )
+            text = (json.loads(out.stdout).get("data") or {}).get("actor-0")
+            report = json.loads(text) if text else {}
+            return report if report.get("time", 0) > killed_at else None
+
+        report = wait_for(first_step_after_kill, 600, "a step of the new actor", interval=1.0)
+        assert report["step"] <= 3, report  # from step 0, not from the lost checkpoint
+        print(
+            f"ephemeral checkpoints on real pods: the new actor trains from step 0 (step "
+            f"{report['step']} {report['time'] - killed_at:.0f}s after the kill)"
+        )
+    finally:
+        _delete_job(real_cluster, ns, name)
