@@ -59,6 +59,19 @@ COMPONENTS = (
     *realnode.NODE_COMPONENTS,
 )
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+DEFAULT_STORAGE_CLASS: dict[str, object] = {
+    "apiVersion": "storage.k8s.io/v1",
+    "kind": "StorageClass",
+    "metadata": {
+        "name": "standard",
+        "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+    },
+    "provisioner": "kubernetes.io/host-path",
+    "reclaimPolicy": "Delete",
+    "volumeBindingMode": "Immediate",
+}
+"""The cluster's default StorageClass, as most clusters have one: the controller-manager's
+hostPath provisioner (test-only, one machine) binds claims that name no class at once."""
 
 
 def _versions() -> dict[str, str]:
@@ -534,6 +547,9 @@ current-context: rljob-local
             "--bind-address=127.0.0.1",
             f"--secure-port={p['kcm']}",
             "--controllers=*",
+            # a dynamic provisioner, so claims with the default StorageClass bind (the per-job
+            # checkpoint claims): directories under /tmp/hostpath_pv on this machine
+            "--enable-hostpath-provisioner",
             "--leader-elect=false",
             "--use-service-account-credentials=false",
             f"--service-account-private-key-file={pki / 'sa.key'}",
@@ -565,8 +581,11 @@ current-context: rljob-local
         ]
 
     def _create_nodes(self) -> None:
-        docs = [self._node(f"gpu-{i}", gpus=self.gpus_per_node) for i in range(self.gpu_nodes)]
+        docs: list[dict[str, object]] = [
+            self._node(f"gpu-{i}", gpus=self.gpus_per_node) for i in range(self.gpu_nodes)
+        ]
         docs.append(self._node("cpu-0", gpus=0))
+        docs.append(DEFAULT_STORAGE_CLASS)
         self.kubectl(
             "apply",
             "-f",

@@ -565,18 +565,47 @@ def volume_manifests(namespace: str, model_dir: Path, checkpoint_dir: Path) -> l
     return docs
 
 
+def checkpoint_volume(namespace: str, job: str, directory: Path) -> dict[str, Any]:
+    """A hostPath PersistentVolume for the per-job checkpoint claim ``<job>-checkpoints`` the
+    operator creates (the node has no provisioner that writes as the pods' uid: this one is
+    pre-bound to the claim, in the cluster's default StorageClass)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {
+            "name": f"{namespace}-{job}-checkpoints",
+            "labels": {"rljob.io/demo-namespace": namespace},
+        },
+        "spec": {
+            "capacity": {"storage": "10Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "hostPath": {"path": str(directory), "type": "Directory"},
+            "storageClassName": "standard",
+            "claimRef": {"namespace": namespace, "name": f"{job}-checkpoints"},
+            "persistentVolumeReclaimPolicy": "Retain",
+        },
+    }
+
+
 def job_for_real_node(
-    job: dict[str, Any], *, steps: int | None = None, image: str | None = None
+    job: dict[str, Any],
+    *,
+    steps: int | None = None,
+    image: str | None = None,
+    checkpoint_claim: str | None = "ckpt",
 ) -> dict[str, Any]:
     """An example manifest made to run on the real node: CPU pods (no GPU), the model on the
-    ``models`` claim, checkpoints on ``ckpt``, the locally imported image (never pulled), and
-    the node chosen explicitly (selector + toleration)."""
+    ``models`` claim, checkpoints on ``checkpoint_claim`` (None: the per-job claim the operator
+    creates), the locally imported image (never pulled), and the node chosen explicitly
+    (selector + toleration)."""
     job = json.loads(json.dumps(job))
     spec = job["spec"]
     if steps is not None:
         spec["totalSteps"] = steps
     spec["model"]["volume"] = {"claimName": "models"}
-    spec["checkpoint"] = {**spec.get("checkpoint", {}), "claimName": "ckpt", "everySteps": 5}
+    spec["checkpoint"] = {**spec.get("checkpoint", {}), "everySteps": 5}
+    if checkpoint_claim:
+        spec["checkpoint"]["claimName"] = checkpoint_claim
     # the pod settings sit under spec.worker from v1beta1 on, at the top of the spec before
     pods = (
         spec if job.get("apiVersion", "").endswith("/v1alpha1") else spec.setdefault("worker", {})
@@ -593,12 +622,6 @@ def job_for_real_node(
     return job
 
 
-def make_readable(root: Path) -> None:
-    """Let the pods' non-root uid read a model folder (safetensors writes its file 0600)."""
-    for path in [root, *root.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
 def prepare_namespace_main(argv: list[str]) -> int:
     """``python e2e/realnode.py prepare NAMESPACE DIR``: print (YAML) the namespace, the tiny
     model and checkpoint volumes under DIR; builds the model there first."""
@@ -608,9 +631,7 @@ def prepare_namespace_main(argv: list[str]) -> int:
 
     namespace, root = argv[0], Path(argv[1]).resolve()
     model_dir, ckpt_dir = root / "models", root / "checkpoints"
-    if not (model_dir / "tiny-qwen2" / "config.json").exists():
-        build_tiny_model(model_dir / "tiny-qwen2")
-    make_readable(model_dir)
+    build_tiny_model(model_dir / "tiny-qwen2")  # a no-op when built; makes it readable
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir.chmod(0o777)
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}

@@ -230,6 +230,8 @@ def test_elastic_policy_follows_reported_metrics(
 ) -> None:
     submit(cluster, namespace, "el")  # 2 rollouts, min 1, max 4; operator cooldown 3 s
     wait_for(lambda: running(cluster, namespace, "el", 4), 90, "job Running")
+    # a rollout has joined and reported (no scale-up before: start-up grace)
+    report(cluster, namespace, "el", Progress(role="rollout", time=time.time(), step=0))
     report(
         cluster, namespace, "el", Progress(role="trainer", time=time.time(), step=1, starving=True)
     )

@@ -12,10 +12,20 @@
 - a job whose image is not on the node says so in its status (condition + Event), not a silent
   Pending;
 - ``examples/dapo-disaggregated.yaml`` (one rollout pod, two trainer pods with gloo DDP between
-  them) trains over the pod network; killing the rollout's process (not the pod object) replaces
-  that pod alone with the trainer pods' UIDs unchanged; killing a trainer process restarts the
-  trainer group from the checkpoint on the persistent volume (steps continue past it, not from 0);
-  suspend deletes the pods and keeps the checkpoint, resume continues from it; then Succeeded.
+  them) trains over the pod network, its checkpoints on the per-job claim the operator creates
+  (bound, owned by the job), the model claim at its ``mountPath``, and the trainer pods carry
+  their ``podTemplateOverrides`` (env from a Secret, a scratch volume, a label); SIGTERM to the
+  rollout's process (not the pod object) makes it leave with exit code 0 and the Completed pod
+  is replaced alone, the trainer pods' UIDs unchanged; killing a trainer process restarts the
+  trainer group from a checkpoint that is on the claim's volume, and its versions continue past
+  every version published before; suspend deletes the pods and keeps the checkpoint on the
+  volume (the dead pods' lag and tokens/s leave the status), resume continues from it (not from
+  step 0); then Succeeded. The test prints, for the
+  trainer kill and for the suspend/resume, the step before, the step resumed from and the
+  seconds until a step after it;
+- with ``checkpoint.ephemeral`` (an emptyDir, really deleted with the pod) a Warning Event says
+  so; killing the actor process restarts the gang from step 0 (the GroupRestart Event says why),
+  with no resumeFrom and no lastCheckpoint left pointing at the lost checkpoint.
 
 Needs root and the node set-up of ``scripts/setup.sh``; skips naming what is missing otherwise, or
 with ``RLJOB_REAL_NODE=0``.
@@ -212,7 +222,6 @@ def _job_namespace(cluster: LocalCluster, root: Path) -> str:
     cluster.kubectl("create", "namespace", ns)
     model_dir, ckpt_dir = root / f"{ns}-models", root / f"{ns}-checkpoints"
     build_tiny_model(model_dir / "tiny-qwen2")
-    realnode.make_readable(model_dir)
     ckpt_dir.mkdir(parents=True)
     ckpt_dir.chmod(0o777)
     docs = realnode.volume_manifests(ns, model_dir, ckpt_dir)
@@ -222,9 +231,13 @@ def _job_namespace(cluster: LocalCluster, root: Path) -> str:
     return ns
 
 
-def real_job(example: str, *, steps: int, image: str | None = None) -> dict[str, Any]:
+def real_job(
+    example: str, *, steps: int, image: str | None = None, checkpoint_claim: str | None = "ckpt"
+) -> dict[str, Any]:
     job = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
-    return realnode.job_for_real_node(job, steps=steps, image=image)
+    return realnode.job_for_real_node(
+        job, steps=steps, image=image, checkpoint_claim=checkpoint_claim
+    )
 
 
 def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
@@ -347,16 +360,60 @@ def _uids(cluster: LocalCluster, ns: str, selector: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in _pods(cluster, ns, selector)}
 
 
+def _lead_report(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    """Trainer rank 0's last heartbeat as its pod wrote it ({} before the first)."""
+    out = cluster.kubectl("get", "configmap", f"{name}-progress", "-n", ns, "-o", "json")
+    text = (json.loads(out.stdout).get("data") or {}).get("trainer-0")
+    return json.loads(text) if text else {}  # type: ignore[no-any-return]
+
+
+def _trained_since(cluster: LocalCluster, ns: str, name: str, since: float, past: int) -> Any:
+    """Rank 0's report once a trainer that started after ``since`` finished a step past
+    ``past`` (None before)."""
+    report = _lead_report(cluster, ns, name)
+    return report if report.get("time", 0) > since and report.get("step", 0) > past else None
+
+
+def _events(cluster: LocalCluster, ns: str, reason: str) -> list[str]:
+    items = get_json(cluster, "events", "-n", ns)["items"]
+    return [e.get("message", "") for e in items if e.get("reason") == reason]
+
+
 @pytest.mark.timeout(1800)  # vLLM pods on 2 shared cores: 12-14 min at load 20-26
 def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
-    job = real_job("dapo-disaggregated", steps=60)
+    root = Path(tmp_path_factory.mktemp("volumes"))
+    ns = _job_namespace(real_cluster, root)
+    job = real_job("dapo-disaggregated", steps=60, checkpoint_claim=None)
+    name = job["metadata"]["name"]
+    # checkpoints on the per-job claim the operator creates (bound to a volume on this host)
+    ckpt_dir = root / "per-job-checkpoints"
+    ckpt_dir.mkdir()
+    ckpt_dir.chmod(0o777)
+    volume = realnode.checkpoint_volume(ns, name, ckpt_dir)
+    real_cluster.kubectl("apply", "-f", "-", input=json.dumps(volume))
     # two cores: one rollout pod (no elastic growth), two trainer pods (gloo DDP between pods)
     job["spec"]["rollout"].update({"replicas": 1, "minReplicas": 1, "maxReplicas": 1})
+    # the model claim mounted where spec.model.volume.mountPath says; trainer pods get extra
+    # pod-template fields: env from a Secret, a scratch volume, a label
+    job["spec"]["model"].update(path="/weights/tiny-qwen2")
+    job["spec"]["model"]["volume"]["mountPath"] = "/weights"
+    job["spec"]["trainer"]["podTemplateOverrides"] = {
+        "labels": {"team": "rl"},
+        "env": [
+            {
+                "name": "TEAM_GREETING",
+                "valueFrom": {"secretKeyRef": {"name": "extra", "key": "greeting"}},
+            }
+        ],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    }
+    real_cluster.kubectl(
+        "create", "secret", "generic", "extra", "-n", ns, "--from-literal=greeting=hello"
+    )
     real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
-    name = job["metadata"]["name"]
     rollouts, trainers = (
         f"rljob.io/job={name},rljob.io/role=rollout",
         f"rljob.io/job={name},rljob.io/role=trainer",
@@ -370,57 +427,108 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     )
     st = _status(real_cluster, ns, name)
     assert st.get("policyLagMs") is not None, st
+    claim = get_json(real_cluster, "pvc", f"{name}-checkpoints", "-n", ns)
+    assert (
+        claim["status"]["phase"] == "Bound"
+        and claim["spec"]["volumeName"] == volume["metadata"]["name"]
+    ), claim
+    assert claim["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
+    trainer_pod = sorted(_uids(real_cluster, ns, f"{trainers},team=rl"))[0]
+    probe = "import os; print(os.environ['TEAM_GREETING'], os.access('/scratch', os.W_OK))"
+    seen = real_cluster.kubectl("exec", "-n", ns, trainer_pod, "--", "python", "-c", probe).stdout
+    assert seen.split() == ["hello", "True"], seen
 
-    # a rollout process dies (not the pod object): that pod alone is replaced
+    # a rollout process is told to stop (SIGTERM, not the pod object): it leaves with exit code
+    # 0, and the Completed pod is replaced alone, trainer pods untouched
     trainer_uids = _uids(real_cluster, ns, trainers)
     rollout_pod = next(iter(_uids(real_cluster, ns, rollouts)))
     old_rollout_uid = _uids(real_cluster, ns, rollouts)[rollout_pod]
     pid = _worker_pid(rollout_pod)
     assert pid, f"no worker process of {rollout_pod} on the host"
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGTERM)
     wait_for(
         lambda: _uids(real_cluster, ns, rollouts).get(rollout_pod) not in (None, old_rollout_uid),
         300,
-        "the rollout pod replaced",
+        "the completed rollout pod replaced",
     )
     assert _uids(real_cluster, ns, trainers) == trainer_uids
+    assert any("Completed (exit code 0)" in m for m in _events(real_cluster, ns, "RolloutReplaced"))
     before = int(_status(real_cluster, ns, name).get("step") or 0)
-    wait_for(lambda: step_at_least(before + 2), 600, "training to continue after the rollout kill")
+    wait_for(lambda: step_at_least(before + 2), 600, "training to continue after the rollout left")
 
-    # a trainer process dies: the trainer group restarts from the checkpoint on the volume
+    # a trainer process dies: the group restarts from the checkpoint on the per-job claim, with
+    # policy versions past every version published before
     wait_for(lambda: _status(real_cluster, ns, name).get("lastCheckpoint"), 600, "a checkpoint")
-    ckpt_step = int(_status(real_cluster, ns, name)["lastCheckpoint"].get("step") or 0)
     trainer_pod = sorted(trainer_uids)[0]
     pid = _worker_pid(trainer_pod)
     assert pid, f"no worker process of {trainer_pod} on the host"
+    at_kill = _lead_report(real_cluster, ns, name)
+    killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     wait_for(
         lambda: int((_status(real_cluster, ns, name).get("restarts") or {}).get("trainer", 0)) >= 1,
         300,
         "the trainer restart counted",
     )
+    resume_from = str(_status(real_cluster, ns, name).get("resumeFrom") or "")
+    assert resume_from, _status(real_cluster, ns, name)
+    resumed_step = int(resume_from.rsplit("-", 1)[1])
+    assert (ckpt_dir / Path(resume_from).name / "state.json").is_file()  # on the claim's volume
     wait_for(
         lambda: set(_uids(real_cluster, ns, trainers).values()).isdisjoint(trainer_uids),
         300,
         "new trainer pods",
     )
-    wait_for(lambda: step_at_least(ckpt_step + 1), 600, "steps after the trainer restart")
+    after: Any = wait_for(
+        lambda: _trained_since(real_cluster, ns, name, killed_at, resumed_step),
+        600,
+        "a step of the restarted trainer group",
+        interval=1.0,
+    )
+    print(
+        f"trainer kill on real pods: step {at_kill['step']} (version "
+        f"{at_kill['policy_version']}) at the kill, resumed from step {resumed_step}, first "
+        f"step after it {after['step']} (version {after['policy_version']}) "
+        f"{after['time'] - killed_at:.0f}s after the kill"
+    )
+    assert after["policy_version"] > at_kill["policy_version"]  # no version reused
     st = _status(real_cluster, ns, name)
-    assert st.get("resumeFrom"), st
+    assert st["lastCheckpoint"]["step"] == int(st["lastCheckpoint"]["path"].rsplit("-", 1)[1])
 
-    # suspend: pods gone, checkpoint kept; resume continues from it
+    # suspend: pods gone, the checkpoint kept on the claim; resume continues from it
     real_cluster.kubectl(
         "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
     )
     wait_for(
         lambda: not _pods(real_cluster, ns, f"rljob.io/job={name}"), 300, "pods gone on suspend"
     )
+    at_suspend = _lead_report(real_cluster, ns, name)  # what the trainer did before it left
+    wait_for(  # no pod runs: no report counts for lag or throughput (none pinned by the dead)
+        lambda: not {"policyLagMs", "tokensPerSecond"} & set(_status(real_cluster, ns, name)),
+        120,
+        "lag and tokens/s gone from the status of a suspended job",
+        interval=1.0,
+    )
     kept = _status(real_cluster, ns, name).get("lastCheckpoint")
     assert kept, "the checkpoint is kept while suspended"
+    assert (ckpt_dir / Path(kept["path"]).name / "state.json").is_file()
+    resume_from = _status(real_cluster, ns, name).get("resumeFrom")
+    assert resume_from in (None, kept["path"]), (resume_from, kept)  # never an older one
+    resumed_at = time.time()
     real_cluster.kubectl(
         "patch", "rlj", name, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
     )
-    wait_for(lambda: step_at_least(int(kept.get("step") or 0) + 1), 900, "steps after resume")
+    after = wait_for(
+        lambda: _trained_since(real_cluster, ns, name, resumed_at, int(kept["step"])),
+        900,
+        "a step after resume",
+        interval=1.0,
+    )
+    print(
+        f"suspend/resume on real pods: step {at_suspend['step']} when suspended, resumed from step "
+        f"{kept['step']}, first step after it {after['step']} "
+        f"{after['time'] - resumed_at:.0f}s after the resume"
+    )
     wait_for(
         lambda: _status(real_cluster, ns, name).get("phase") in ("Succeeded", "Failed"),
         1800,
@@ -428,3 +536,56 @@ def test_dapo_disaggregated_real_pods_survive_process_kills_and_suspend(
     )
     st = _status(real_cluster, ns, name)
     assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
+
+
+@pytest.mark.timeout(900)
+def test_ephemeral_checkpoints_die_with_the_pod_and_the_restart_says_step_0(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ns = _job_namespace(real_cluster, Path(tmp_path_factory.mktemp("volumes")))
+    job = real_job("grpo-colocated", steps=12, checkpoint_claim=None)
+    job["spec"]["checkpoint"]["ephemeral"] = True  # an emptyDir: deleted with its pod
+    job["spec"]["trainer"]["replicas"] = 1
+    name = job["metadata"]["name"]
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    try:
+        assert wait_for(lambda: _events(real_cluster, ns, "EphemeralCheckpoints"), 60, "warning")
+        wait_for(
+            lambda: (_status(real_cluster, ns, name).get("lastCheckpoint") or {}).get("step"),
+            600,
+            "a checkpoint in the pod's emptyDir",
+            interval=1.0,
+        )
+        actor = f"{name}-actor-0"
+        pid = _worker_pid(actor)
+        assert pid, f"no worker process of {actor} on the host"
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        restart = wait_for(
+            lambda: _events(real_cluster, ns, "GroupRestart"), 300, "the actor gang restarted"
+        )
+        assert "starting from step 0: checkpoints are ephemeral" in str(restart)
+        st = _status(real_cluster, ns, name)
+        assert "resumeFrom" not in st, st
+        wait_for(
+            lambda: "lastCheckpoint" not in _status(real_cluster, ns, name),
+            120,
+            "the dead pod's checkpoint gone from the status",
+        )
+
+        def first_step_after_kill() -> Any:
+            out = real_cluster.kubectl(
+                "get", "configmap", f"{name}-progress", "-n", ns, "-o", "json"
+            )
+            text = (json.loads(out.stdout).get("data") or {}).get("actor-0")
+            report = json.loads(text) if text else {}
+            return report if report.get("time", 0) > killed_at else None
+
+        report = wait_for(first_step_after_kill, 600, "a step of the new actor", interval=1.0)
+        assert report["step"] <= 3, report  # from step 0, not from the lost checkpoint
+        print(
+            f"ephemeral checkpoints on real pods: the new actor trains from step 0 (step "
+            f"{report['step']} {report['time'] - killed_at:.0f}s after the kill)"
+        )
+    finally:
+        _delete_job(real_cluster, ns, name)

@@ -65,6 +65,8 @@ Phase = Literal["Pending", "Running", "Degraded", "Restarting", "Suspended", "Su
 ON_POLICY_ALGORITHMS: tuple[AlgorithmName, ...] = ("ppo", "grpo")
 RULE_ERROR = "rljob_rule"
 """pydantic error type of a failed cross-field rule; its message already names the path."""
+RELATIVE_ERROR = "rljob_relative"
+"""pydantic error type whose messages name paths relative to the failing object (ctx: messages)."""
 DUPLICATE_ERROR = "rljob_duplicate"
 """pydantic error type of a repeated list-map key (ctx: name, index)."""
 
@@ -550,6 +552,148 @@ class Sampling(SpecModel):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
 
 
+class Toleration(SpecModel):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(None, max_length=317, description="Taint key; empty with Exists: all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match. Unset: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint."
+    )
+
+
+FreeObject = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+"""A core/v1 object passed through as written (a Volume, an EnvVar, an Affinity, ...); the API
+server validates it when the operator creates the pod."""
+
+OPERATOR_VOLUMES: Final = ("config", "tmp", "home", "dshm", "checkpoints", "model")
+"""Volume names of the worker pods that the operator owns."""
+OPERATOR_ENV_PREFIXES: Final = ("RLJOB_",)
+OPERATOR_ENV: Final = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HUB_OFFLINE",
+)
+"""Environment variables of the worker containers that the operator sets (plus RLJOB_*)."""
+OPERATOR_LABEL_PREFIXES: Final = (f"{GROUP}/", "app.kubernetes.io/", "scheduling.x-k8s.io/")
+OPERATOR_MOUNTS: Final = ("/etc/rljob", "/tmp", "/home/rljob", "/dev/shm")
+"""Mount paths of the worker containers the operator owns (besides the checkpoint and model
+mounts, which follow spec.checkpoint.path and spec.model.volume.mountPath)."""
+
+
+class LocalObjectReference(SpecModel):
+    """A reference by name to an object in the job's namespace (e.g. an image pull Secret)."""
+
+    name: str = Field(max_length=_NAME_MAX, pattern=_DNS_SUBDOMAIN, description="Object name.")
+
+
+class PodTemplateOverrides(SpecModel):
+    """Pod-template fields added to every pod of one role, as Kubeflow Trainer's
+    podTemplateOverrides and JobSet's pod templates allow: extra volumes and mounts (a dataset,
+    a venv), env from a Secret, placement (affinity, tolerations, nodeSelector), pull Secrets.
+    The operator merges them into the pods it builds; fields it owns (its volumes, mounts,
+    environment variables and labels) are refused with the field path."""
+
+    labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=64, description="Extra pod labels."
+    )
+    annotations: dict[str, Annotated[str, Field(max_length=32_768)]] = Field(
+        default_factory=dict, max_length=64, description="Extra pod annotations."
+    )
+    volumes: list[FreeObject] = Field(
+        default_factory=list, max_length=_LIST_MAX, description="Extra pod volumes (core/v1)."
+    )
+    volume_mounts: list[FreeObject] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra volumeMounts of the worker container (core/v1 VolumeMount).",
+    )
+    env: list[FreeObject] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra environment variables (core/v1 EnvVar: value or valueFrom, e.g. "
+        "secretKeyRef), after spec.worker.env (on a repeated name these win).",
+    )
+    env_from: list[FreeObject] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra envFrom sources of the worker container (core/v1 EnvFromSource, "
+        "e.g. secretRef).",
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Node labels these pods require, added to spec.scheduling.nodeSelector.",
+    )
+    affinity: FreeObject | None = Field(None, description="Pod affinity (core/v1 Affinity).")
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Tolerations added to these pods (after spec.scheduling.tolerations).",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=_LIST_MAX, description="Image pull Secrets."
+    )
+
+    @model_validator(mode="after")
+    def _operator_fields_refused(self) -> Self:
+        problems = self.problems()
+        if problems:
+            raise PydanticCustomError(
+                RELATIVE_ERROR, "{message}", {"message": "; ".join(problems), "messages": problems}
+            )
+        return self
+
+    def problems(self, mounts: tuple[str, ...] = ()) -> list[str]:
+        """What clashes with the fields the operator owns (relative paths), with the fix."""
+        out = []
+        for key in self.labels:
+            if key.startswith(OPERATOR_LABEL_PREFIXES):
+                out.append(
+                    f"labels.{key}: the operator sets labels under {key.split('/')[0]}/; "
+                    "use another label key"
+                )
+        for i, volume in enumerate(self.volumes):
+            name = volume.get("name")
+            if not isinstance(name, str) or not name:
+                out.append(f"volumes[{i}].name: required")
+            elif name in OPERATOR_VOLUMES:
+                out.append(f"volumes[{i}].name: {name} is a volume the operator owns; rename it")
+        for i, mount in enumerate(self.volume_mounts):
+            path = mount.get("mountPath")
+            if not isinstance(path, str) or not path.startswith("/"):
+                out.append(f"volumeMounts[{i}].mountPath: required, an absolute path")
+            elif any(_under(path, owned) for owned in (*OPERATOR_MOUNTS, *mounts)):
+                out.append(
+                    f"volumeMounts[{i}].mountPath: {path} is where the operator mounts "
+                    "its own volume; pick another path"
+                )
+        for i, var in enumerate(self.env):
+            name = var.get("name")
+            if not isinstance(name, str) or not name:
+                out.append(f"env[{i}].name: required")
+            elif name in OPERATOR_ENV or name.startswith(OPERATOR_ENV_PREFIXES):
+                out.append(f"env[{i}].name: {name} is set by the operator; use another name")
+        return out
+
+
+def _under(path: str, owned: str) -> bool:
+    """Whether mount path ``path`` is ``owned`` or lies inside it."""
+    a, b = path.rstrip("/") or "/", owned.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/")
+
+
 class Rollout(SpecModel):
     """Rollout (generation) engines. Disaggregated: one pod per replica, elastic between
     minReplicas and maxReplicas. Colocated: the engine runs inside each of the
@@ -579,6 +723,10 @@ class Rollout(SpecModel):
     )
     sampling: Sampling = _nested(Sampling, "Sampling parameters.")
     resources: Resources = _nested(Resources, "CPU/memory per rollout pod.")
+    pod_template_overrides: PodTemplateOverrides = _nested(
+        PodTemplateOverrides,
+        "Extra pod-template fields of the rollout pods (volumes, env, placement, pull Secrets).",
+    )
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
@@ -636,6 +784,11 @@ class Trainer(SpecModel):
         1, ge=0, le=64, description="nvidia.com/gpu per trainer pod; 0 = CPU (gloo)."
     )
     resources: Resources = _nested(Resources, "CPU/memory per trainer pod.")
+    pod_template_overrides: PodTemplateOverrides = _nested(
+        PodTemplateOverrides,
+        "Extra pod-template fields of the trainer pods (colocated: the actor pods): volumes, "
+        "env, placement, pull Secrets.",
+    )
     gradient_compression: GradientCompression = _nested(
         GradientCompression, "Gradient all-reduce compression."
     )
@@ -750,20 +903,56 @@ class WeightSync(SpecModel):
 
 
 class Checkpoint(SpecModel):
-    """Trainer checkpoints; a restarted job resumes from the newest one."""
+    """Trainer checkpoints; a restarted, resumed or re-admitted job continues from the newest one.
+
+    They live on a PersistentVolumeClaim, so they outlive the pods: spec.checkpoint.claimName
+    (a claim you manage), else a per-job claim ``<name>-checkpoints`` the operator creates and
+    the job owns (deleted with it), sized by size and storageClassName."""
 
     claim_name: str | None = Field(
         None,
         max_length=_NAME_MAX,
         pattern=_DNS_SUBDOMAIN,
-        description="PersistentVolumeClaim for checkpoints. Unset: an emptyDir, which survives "
-        "container restarts but not pod deletion.",
+        description="An existing PersistentVolumeClaim (same namespace) for checkpoints; the "
+        "operator mounts it and never deletes it. Unset: the operator creates the claim "
+        "<name>-checkpoints (size, storageClassName, accessMode), owned by the job and deleted "
+        "with it. It must be shared by every trainer pod (ReadWriteMany across nodes).",
+    )
+    size: Quantity = Field(
+        "10Gi", description="Storage requested by the per-job claim (claimName unset)."
+    )
+    storage_class_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="StorageClass of the per-job claim. Unset: the cluster's default class.",
+    )
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = Field(
+        "ReadWriteOnce",
+        description="Access mode of the per-job claim: ReadWriteOnce while all trainer pods "
+        "share a node; ReadWriteMany when they span nodes.",
+    )
+    ephemeral: bool = Field(
+        False,
+        description="Keep checkpoints in an emptyDir instead of a claim: they are deleted with "
+        "the pod, so a restarted or resumed trainer group starts again from step 0 (a Warning "
+        "Event says so). For throwaway runs only.",
     )
     path: str = Field(
         "/checkpoints", max_length=_PATH_MAX, pattern=r"^/", description="Mount path in the pods."
     )
     every_steps: int = Field(50, ge=1, le=1_000_000, description="Checkpoint every N steps.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.claimName) || !has(self.ephemeral) || !self.ephemeral",
+            message="spec.checkpoint: claimName and ephemeral: true exclude each other; keep "
+            "claimName (checkpoints that outlive the pods) or remove it",
+            holds=lambda c: "claimName" not in c or not c.get("ephemeral", False),
+            field_path=".ephemeral",
+        ),
+    )
 
 
 FailureReason = Literal["NodeLost", "Evicted", "DisruptionTarget", "OOMKilled", "Error"]
@@ -842,20 +1031,6 @@ class FailurePolicy(SpecModel):
             ),
             field_path=".backoffSeconds",
         ),
-    )
-
-
-class Toleration(SpecModel):
-    """A Kubernetes toleration (core/v1 Toleration)."""
-
-    key: str | None = Field(None, max_length=317, description="Taint key; empty with Exists: all.")
-    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, max_length=63, description="Taint value (operator Equal).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect to match. Unset: all effects."
-    )
-    toleration_seconds: int | None = Field(
-        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint."
     )
 
 
@@ -1103,6 +1278,28 @@ class _SpecCommon(SpecModel):
         ),
     )
 
+    @model_validator(mode="after")
+    def _overrides_keep_off_owned_mounts(self) -> Self:
+        owned = [("spec.checkpoint.path", self.checkpoint.path)]
+        if self.model.volume:
+            owned.append(("spec.model.volume.mountPath", self.model.volume.mount_path))
+        problems = []
+        for role in ("rollout", "trainer"):
+            overrides: PodTemplateOverrides = getattr(self, role).pod_template_overrides
+            for i, mount in enumerate(overrides.volume_mounts):
+                path = str(mount.get("mountPath", ""))
+                for field, at in owned:
+                    if _under(path, at) or _under(at, path):
+                        problems.append(
+                            f"spec.{role}.podTemplateOverrides.volumeMounts[{i}].mountPath: "
+                            f"{path} overlaps {field} ({at}); pick another path"
+                        )
+        if problems:
+            raise PydanticCustomError(
+                RULE_ERROR, "{message}", {"message": "\n".join(problems), "messages": problems}
+            )
+        return self
+
 
 class RLJobSpecV1Alpha1(_SpecCommon, WorkerPods):
     """Desired state of an RL post-training job (rljob.io/v1alpha1: the worker pod settings sit
@@ -1302,10 +1499,23 @@ class RLJobStatus(StatusModel):
     last_scale_time: AwareDatetime | None = Field(
         None, description="When the built-in elastic policy last changed the rollout replicas."
     )
+    last_scale_direction: Literal["up", "down"] | None = Field(
+        None,
+        description="Which way the built-in elastic policy last scaled; scaling back the "
+        "other way waits longer (hysteresis).",
+    )
+    last_scale_stale_drops: int | None = Field(
+        None,
+        ge=0,
+        description="Samples the trainer had dropped as stale at the last change of rollout "
+        "replicas; more since then ask for one rollout fewer.",
+    )
     resume_from: str | None = Field(
         None,
         max_length=_PATH_MAX,
-        description="Checkpoint the trainer resumes from after a restart or a resume from suspend.",
+        description="Checkpoint the trainer group resumes from when it next starts (after a "
+        "restart, a resume or a re-admission): the newest one reported; the trainers take a "
+        "newer one when the volume holds it.",
     )
     kueue: KueueStatus | None = Field(
         None, description="Kueue admission (jobs with the label kueue.x-k8s.io/queue-name)."
@@ -1674,6 +1884,8 @@ def _describe(error: Mapping[str, Any], root: type[BaseModel] = RLJob) -> list[s
     kind = error["type"]
     if kind == RULE_ERROR:
         return [str(m) for m in error.get("ctx", {}).get("messages", [error["msg"]])]
+    if kind == RELATIVE_ERROR:
+        return [f"{path}.{m}" for m in error.get("ctx", {}).get("messages", [])]
     if kind == DUPLICATE_ERROR:
         return [f"{path}[{error['ctx']['index']}].name: {error['msg']}"]
     if kind == "missing":

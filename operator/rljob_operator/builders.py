@@ -16,6 +16,7 @@ from rljob_operator.api import (
     GROUP,
     KIND,
     VERSION,
+    PodTemplateOverrides,
     RLJob,
     RLJobSpec,
     resolve_advantage_estimator,
@@ -132,6 +133,19 @@ def secret_name(job: JobRef) -> str:
 
 def progress_name(job: JobRef) -> str:
     return f"{job.name}{PROGRESS_CONFIGMAP_SUFFIX}"
+
+
+def checkpoint_claim_name(spec: RLJobSpec, job: JobRef) -> str | None:
+    """The claim the trainer pods keep checkpoints on: spec.checkpoint.claimName, else the
+    per-job claim the operator creates; None with spec.checkpoint.ephemeral (an emptyDir)."""
+    if spec.checkpoint.ephemeral:
+        return None
+    return spec.checkpoint.claim_name or f"{job.name}-checkpoints"
+
+
+def model_mount(spec: RLJobSpec) -> str | None:
+    """Where the model claim is mounted (spec.model.volume.mountPath), None without one."""
+    return spec.model.volume.mount_path if spec.model.volume else None
 
 
 def worker_account_name(job: JobRef) -> str:
@@ -383,6 +397,26 @@ def build_progress_configmap(job: JobRef) -> dict[str, Any]:
     }
 
 
+def build_checkpoint_claim(spec: RLJobSpec, job: JobRef) -> dict[str, Any] | None:
+    """The per-job checkpoint PersistentVolumeClaim (owned by the job, deleted with it), or None
+    when spec.checkpoint names its own claim or is ephemeral."""
+    c = spec.checkpoint
+    if c.ephemeral or c.claim_name:
+        return None
+    claim_spec: dict[str, Any] = {
+        "accessModes": [c.access_mode],
+        "resources": {"requests": {"storage": str(c.size)}},
+    }
+    if c.storage_class_name:
+        claim_spec["storageClassName"] = c.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(job, f"{job.name}-checkpoints"),
+        "spec": claim_spec,
+    }
+
+
 def build_worker_rbac(job: JobRef, pod_account: str | None = None) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM.
 
@@ -510,11 +544,13 @@ def build_pod(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_container(spec, job, role, index, world, topology, worker_env)],
-        "volumes": _volumes(spec, job),
+        "volumes": _volumes(spec, job, role),
         "terminationGracePeriodSeconds": spec.worker.termination_grace_period_seconds,
     }
     _scheduling(pod_spec, spec, role_gpus(spec, role))
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    overrides = role_overrides(spec, role)
+    return merge_overrides(pod, overrides) if overrides != PodTemplateOverrides() else pod
 
 
 def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec, gpus: int) -> None:
@@ -572,13 +608,15 @@ def _container(
     env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.worker.env]
     mounts = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "home", "mountPath": HOME_MOUNT},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    if spec.model.volume:
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if role != "rollout":  # rollouts never read or write checkpoints
+        mounts.insert(1, {"name": "checkpoints", "mountPath": spec.checkpoint.path})
+    where = model_mount(spec)
+    if where:
+        mounts.append({"name": "model", "mountPath": where, "readOnly": True})
     container: dict[str, Any] = {
         "name": role,
         "image": spec.worker.image or DEFAULT_IMAGE,
@@ -605,22 +643,17 @@ def _container(
     return container
 
 
-def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
+def _volumes(spec: RLJobSpec, job: JobRef, role: Role) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": configmap_name(job)}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "home", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.worker.shm_size)}},
     ]
-    if spec.checkpoint.claim_name:
-        volumes.append(
-            {
-                "name": "checkpoints",
-                "persistentVolumeClaim": {"claimName": spec.checkpoint.claim_name},
-            }
-        )
-    else:
-        volumes.append({"name": "checkpoints", "emptyDir": {}})
+    claim = checkpoint_claim_name(spec, job)
+    if role != "rollout":
+        source = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
+        volumes.append({"name": "checkpoints", **source})
     if spec.model.volume:
         volumes.append(
             {
@@ -632,6 +665,41 @@ def _volumes(spec: RLJobSpec, job: JobRef) -> list[dict[str, Any]]:
             }
         )
     return volumes
+
+
+def role_overrides(spec: RLJobSpec, role: Role) -> PodTemplateOverrides:
+    """The pod-template overrides of a role (actors take the trainer's)."""
+    return (spec.rollout if role == "rollout" else spec.trainer).pod_template_overrides
+
+
+def merge_overrides(pod: dict[str, Any], overrides: PodTemplateOverrides) -> dict[str, Any]:
+    """``pod`` with a role's pod-template overrides merged in (a new dict; ``pod`` is kept).
+
+    Lists are appended to (volumes, mounts, env, envFrom, tolerations, pull Secrets), maps are
+    merged (labels, annotations, nodeSelector; the operator's keys win, though the API model
+    already refuses clashes), affinity is set. The worker container is the first container."""
+    out: dict[str, Any] = json.loads(json.dumps(pod))
+    o = overrides
+    meta, pod_spec = out["metadata"], out["spec"]
+    meta["labels"] = {**o.labels, **meta.get("labels", {})}
+    if o.annotations:
+        meta["annotations"] = {**o.annotations, **meta.get("annotations", {})}
+    container = pod_spec["containers"][0]
+    for key, extra in (
+        ("volumes", o.volumes),
+        ("imagePullSecrets", [r.model_dump(by_alias=True) for r in o.image_pull_secrets]),
+        ("tolerations", [t.model_dump(by_alias=True, exclude_none=True) for t in o.tolerations]),
+    ):
+        if extra:
+            pod_spec[key] = [*pod_spec.get(key, []), *extra]
+    for key, extra in (("volumeMounts", o.volume_mounts), ("env", o.env), ("envFrom", o.env_from)):
+        if extra:
+            container[key] = [*container.get(key, []), *extra]
+    if o.node_selector:
+        pod_spec["nodeSelector"] = {**o.node_selector, **pod_spec.get("nodeSelector", {})}
+    if o.affinity:
+        pod_spec["affinity"] = dict(o.affinity)
+    return out
 
 
 def build_children(
@@ -647,13 +715,16 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """Every object the job should own right now, in apply order."""
     spec = job.spec
-    config = build_worker_config(spec, ref, topology, checkpoint_dir=CHECKPOINT_MOUNT)
+    config = build_worker_config(spec, ref, topology)
     if resume_from:
         config = config.model_copy(
             update={"checkpoint": config.checkpoint.model_copy(update={"resume_from": resume_from})}
         )
     digest = restart_hash(config)
     objects = [build_configmap(ref, config, control), build_progress_configmap(ref)]
+    claim = build_checkpoint_claim(spec, ref)
+    if claim is not None:
+        objects.append(claim)
     objects += [
         build_token_secret(ref, token),
         *build_worker_rbac(ref, spec.worker.service_account_name),

@@ -58,6 +58,12 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         default=30.0,
         help="minimum time between two changes by the built-in elastic rollout policy",
     )
+    parser.add_argument(
+        "--progress-stale-seconds",
+        type=float,
+        default=120.0,
+        help="heartbeat window: older worker reports count for no lag, tokens/s or utilisation",
+    )
     _add_leader_election_flags(parser)
     _add_webhook_flags(parser)
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -72,6 +78,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
 
     handlers.POLICY = Policy(
         scale_cooldown_seconds=args.scale_cooldown_seconds,
+        progress_stale_seconds=args.progress_stale_seconds,
         worker_env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("NCCL_"))),
     )
 

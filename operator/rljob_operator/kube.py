@@ -22,6 +22,7 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "Service": ("services", True),
     "ConfigMap": ("configmaps", True),
     "Secret": ("secrets", True),
+    "PersistentVolumeClaim": ("persistentvolumeclaims", True),
     "ServiceAccount": ("serviceaccounts", True),
     "Event": ("events", True),
     "Node": ("nodes", False),

@@ -7,8 +7,14 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from rljob_operator.api import GROUP, VERSION
-from rljob_operator.builders import LABEL_JOB, PODGROUP_API, VOLCANO
+from rljob_operator.api import GROUP, VERSION, SpecError, parse_rljob
+from rljob_operator.builders import (
+    LABEL_JOB,
+    PODGROUP_API,
+    VOLCANO,
+    JobRef,
+    checkpoint_claim_name,
+)
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import (
     MANAGED_BY,
@@ -66,7 +72,22 @@ def observe_job(
         nodes_ready={n: ready for n, (ready, _) in nodes.items()},
         nodes_gone=frozenset(n for n, (_, gone) in nodes.items() if gone),
         kueue=observe_kueue(kube, job, namespace, selector),
+        checkpoint_claim=observe_checkpoint_claim(kube, job),
     )
+
+
+def observe_checkpoint_claim(kube: Kube, job: dict[str, Any]) -> dict[str, Any] | None:
+    """The PersistentVolumeClaim the job's checkpoints live on (None: absent, or ephemeral)."""
+    try:
+        spec = parse_rljob(job).spec
+    except SpecError:
+        return None
+    ref = JobRef.from_metadata(job["metadata"])
+    name = checkpoint_claim_name(spec, ref)
+    if name is None:
+        return None
+    claim: dict[str, Any] | None = kube.get("v1", "PersistentVolumeClaim", ref.namespace, name)
+    return claim
 
 
 def observe_kueue(kube: Kube, job: dict[str, Any], namespace: str, selector: str) -> Observation:

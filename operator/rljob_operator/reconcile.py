@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -43,9 +44,11 @@ from rljob_operator.builders import (
     JobRef,
     Topology,
     build_children,
+    checkpoint_claim_name,
     configmap_name,
     covers,
     gang_flavour,
+    pod_name,
     progress_name,
     role_replicas,
     roles_for,
@@ -90,6 +93,11 @@ QUEUE_IGNORED = (
     "gang: true and schedulerName: volcano; to queue through Kueue put the label "
     "kueue.x-k8s.io/queue-name=<LocalQueue> on the RLJob"
 )
+EPHEMERAL = (
+    "spec.checkpoint.ephemeral: checkpoints are kept in an emptyDir and deleted with their pod; "
+    "a restarted or resumed trainer group starts again from step 0. Remove ephemeral for a "
+    "per-job claim, or set spec.checkpoint.claimName"
+)
 GANG_UNAVAILABLE = (
     "spec.scheduling.gang: no PodGroup API (Volcano or scheduler-plugins coscheduling) is "
     "installed; pods are created without gang scheduling. Install one, or set gang: false"
@@ -124,6 +132,7 @@ class Observed:
     apply_errors: tuple[str, ...] = ()  # the API server's refusals of children, last pass
     apply_failures: int = 0  # passes in a row whose children were refused
     kueue: Observation = field(default_factory=Observation)  # with kueue.x-k8s.io/queue-name
+    checkpoint_claim: dict[str, Any] | None = None  # the claim checkpoints live on, as read
 
 
 @dataclass(frozen=True)
@@ -224,6 +233,45 @@ def _pod_phase(pod: dict[str, Any]) -> str:
 
 
 IMAGE_WAIT_REASONS = ("ErrImageNeverPull", "ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+CLAIM_REASONS = ("CheckpointClaimMissing", "CheckpointClaimPending")
+CLAIM_PENDING_SECONDS = 60.0
+"""How long a checkpoint claim with a StorageClass may stay Pending before the job says so
+(provisioning takes a while; WaitForFirstConsumer classes bind once a pod is scheduled)."""
+
+
+def claim_problem(
+    spec: RLJobSpec, ref: JobRef, claim: dict[str, Any] | None, now: float
+) -> tuple[str, str] | None:
+    """(reason, message) when the checkpoint claim is missing or cannot bind, else None."""
+    name = checkpoint_claim_name(spec, ref)
+    if name is None:
+        return None
+    if claim is None:
+        if not spec.checkpoint.claim_name:
+            return None  # the per-job claim is about to be created
+        return "CheckpointClaimMissing", (
+            f"spec.checkpoint.claimName: PersistentVolumeClaim {name} does not exist in "
+            f"namespace {ref.namespace}; create it, or remove claimName and the operator "
+            "creates a per-job claim"
+        )
+    if (claim.get("status") or {}).get("phase", "Pending") != "Pending":
+        return None
+    storage_class = (claim.get("spec") or {}).get("storageClassName")
+    if not storage_class:
+        return "CheckpointClaimPending", (
+            f"checkpoint claim {name} is Pending: it names no StorageClass and the cluster has "
+            "no default one; set spec.checkpoint.storageClassName, mark a StorageClass as the "
+            "default, or set spec.checkpoint.claimName to a claim that is bound"
+        )
+    created = _seconds(claim["metadata"].get("creationTimestamp"))
+    if created is None or now - created < CLAIM_PENDING_SECONDS:
+        return None
+    return "CheckpointClaimPending", (
+        f"checkpoint claim {name} (StorageClass {storage_class}) has been Pending for "
+        f"{now - created:.0f}s: check that class's provisioner (kubectl describe pvc {name}), "
+        "set spec.checkpoint.storageClassName to a class that provisions, or set "
+        "spec.checkpoint.claimName to a claim that is bound"
+    )
 
 
 def image_problem(pods: tuple[dict[str, Any], ...]) -> tuple[str, str] | None:
@@ -383,10 +431,16 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         summary = build_plan_summary(job, topology)
         work.status["planSummary"] = summary
         work.events.append(EventSpec("Normal", "Planned", summary))
+        if spec.checkpoint.ephemeral:
+            work.events.append(EventSpec("Warning", "EphemeralCheckpoints", EPHEMERAL))
     progress, mismatch = _parse_progress(observed, ref)
     if mismatch:
         work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
-    _report_progress(work, progress, spec, topology)
+    present = _reports_of_present_pods(progress, observed.pods, ref)
+    live = [p for p in present if now - p.time <= policy.progress_stale_seconds]
+    _report_progress(work, progress, live, spec, topology)
+    if spec.checkpoint.ephemeral:
+        _forget_dead_checkpoints(work, present, topology)
 
     ctx = _Job(observed, spec, topology, key, old, generation, now, stored)
     if old.get("phase") in FINISHED:
@@ -400,11 +454,11 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         spec = job.spec
         ctx = dataclasses.replace(ctx, spec=spec)
 
-    _failover(observed, work, spec, topology, now)
+    _failover(observed, work, spec, topology, now, _finishing(progress, spec, topology))
     if work.status.get("phase") == "Failed":
         return _plan(ctx, work, ())
     control = _degrade(work, spec, progress, old, now)
-    _elastic(work, spec, topology, progress, old, now, policy, observed.job)
+    _elastic(work, spec, topology, live, old, now, policy, observed.job, observed.pods)
 
     desired = build_children(
         job,
@@ -478,7 +532,7 @@ def _kueue_gate(ctx: _Job, work: _Pass, queue: str | None) -> Gate | None:
     work.kueue = gate
     work.status["kueue"] = gate.status
     work.events += [EventSpec(*e) for e in gate.events]
-    if gate.hold and checkpoint and not ctx.spec.suspend:
+    if gate.hold and checkpoint and not ctx.spec.suspend and not ctx.spec.checkpoint.ephemeral:
         work.status["resumeFrom"] = checkpoint
     return gate
 
@@ -527,6 +581,8 @@ def _missing(
         return (kind, name) not in observed.present
     if kind == "ConfigMap":
         return _differs(obj, observed.configmaps.get(name))
+    if kind == "PersistentVolumeClaim":  # created once; its spec is the server's from then on
+        return observed.checkpoint_claim is None
     return True
 
 
@@ -577,10 +633,46 @@ def _controlled_restart(
             )
 
 
+def _reports_of_present_pods(
+    progress: list[Progress], pods: tuple[dict[str, Any], ...], ref: JobRef
+) -> list[Progress]:
+    """The reports written by pods that still run: the pod of that role and replica exists, is
+    not finished or terminating, and the report is not older than the pod (a report left by an
+    earlier pod of the same name is a dead pod's)."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    out = []
+    for report in progress:
+        pod = by_name.get(pod_name(ref, report.role, report.replica))
+        if pod is None or _pod_phase(pod) in ("Terminating", "Succeeded", "Failed"):
+            continue
+        created = _seconds(pod["metadata"].get("creationTimestamp"))
+        if created is None or report.time >= created - CLOCK_SKEW_SECONDS:
+            out.append(report)
+    return out
+
+
+CLOCK_SKEW_SECONDS = 5.0
+"""How far a worker's clock may run behind the API server's before its report looks older than
+its own pod."""
+
+
+def checkpoint_step(path: str, default: int = 0) -> int:
+    """The training step of a checkpoint directory (``.../step-00000050`` → 50)."""
+    match = re.search(r"step-(\d+)/?$", path)
+    return int(match.group(1)) if match else default
+
+
 def _report_progress(
-    work: _Pass, progress: list[Progress], spec: RLJobSpec, topology: Topology
+    work: _Pass,
+    progress: list[Progress],
+    live: list[Progress],
+    spec: RLJobSpec,
+    topology: Topology,
 ) -> None:
-    """Copy the workers' reports into the status (rank 0 of the training role leads)."""
+    """Copy the workers' reports into the status: step, version, reward, checkpoint from rank 0
+    of the training role (its last report, even from a pod that is gone); lag, throughput and
+    utilisation only from ``live`` reports (pods that run, within the heartbeat window), so a
+    dead pod's numbers never pin the status."""
     lead_role = "actor" if topology == "colocated" else "trainer"
     lead = next((p for p in progress if p.role == lead_role and p.replica == 0), None)
     if lead is not None:
@@ -593,16 +685,45 @@ def _report_progress(
         if lead.reward_mean is not None:
             work.status["rewardMean"] = round(lead.reward_mean, 4)
         if lead.last_checkpoint:
-            work.status["lastCheckpoint"] = {"step": lead.step, "path": lead.last_checkpoint}
-    lags = [p.policy_lag_ms for p in progress if p.policy_lag_ms is not None]
+            _checkpoint_reported(work, lead.last_checkpoint, lead.step)
+    lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
     if lags:
         work.status["policyLagMs"] = round(max(lags), 3)
-    rates = [p.tokens_per_second for p in progress if p.tokens_per_second is not None]
+    else:
+        work.status.pop("policyLagMs", None)
+    rates = [p.tokens_per_second for p in live if p.tokens_per_second is not None]
     if rates:
         work.status["tokensPerSecond"] = round(sum(rates), 1)
-    utilization = build_utilization_status(progress)
+    else:
+        work.status.pop("tokensPerSecond", None)
+    utilization = build_utilization_status(live)
     if utilization:
         work.status["utilization"] = utilization
+    else:
+        work.status.pop("utilization", None)
+
+
+def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:
+    """The lead's newest checkpoint: status.lastCheckpoint (its own step, not the current one),
+    and status.resumeFrom, when set, moves up to it (an older one may be pruned by keep)."""
+    at = checkpoint_step(path, step)
+    newest: dict[str, Any] = {"step": at, "path": path}
+    before = work.status.get("lastCheckpoint") or {}
+    if before.get("path") == path:
+        newest = {**before, **newest}
+    work.status["lastCheckpoint"] = newest
+    resume = work.status.get("resumeFrom")
+    if resume and checkpoint_step(resume, -1) < at:
+        work.status["resumeFrom"] = path
+
+
+def _forget_dead_checkpoints(work: _Pass, present: list[Progress], topology: Topology) -> None:
+    """Ephemeral checkpoints die with the lead's pod: once no running pod reported it, the
+    status names no checkpoint, so nothing resumes from one that is gone."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    if not any(p.role == lead_role and p.replica == 0 and p.last_checkpoint for p in present):
+        work.status.pop("lastCheckpoint", None)
+        work.status.pop("resumeFrom", None)
 
 
 def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, float]]:
@@ -624,6 +745,13 @@ def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, fl
     return out
 
 
+def _finishing(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
+    """Whether the training role is at its last step (or done): workers that complete now are
+    leaving because the job ends, not failing."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    return any(p.role == lead_role and (p.done or p.step >= spec.total_steps - 1) for p in progress)
+
+
 def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
     lead_role = "actor" if topology == "colocated" else "trainer"
     return any(
@@ -632,14 +760,22 @@ def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool
     )
 
 
-def _failure(pod: dict[str, Any], nodes_ready: dict[str, bool]) -> Failure | None:
-    """Why a pod must be replaced (its failure reason and exit code), else None."""
+def _failure(
+    pod: dict[str, Any], nodes_ready: dict[str, bool], finishing: bool = False
+) -> Failure | None:
+    """Why a pod must be replaced (its failure reason and exit code), else None.
+
+    A pod that completed (exit code 0, e.g. a rollout leaving on SIGTERM) while the job still
+    runs is replaced too (reason Error, exit code 0), unless the job is finishing."""
     phase = _pod_phase(pod)
     if phase == "Terminating":
         return None
     node = pod.get("spec", {}).get("nodeName")
     node_lost = bool(node) and not nodes_ready.get(node, True)
     status = pod.get("status", {})
+    if phase == "Succeeded" and not finishing:
+        code = _exit_code(status)
+        return Failure("Error", code, f"Completed (exit code {code or 0}) while the job runs")
     if phase != "Failed":
         return Failure("NodeLost", None, f"node {node} NotReady") if node_lost else None
     code = _exit_code(status)
@@ -694,9 +830,15 @@ def _decide(spec: RLJobSpec, role: str, failure: Failure) -> tuple[str, str]:
 
 
 def _failover(
-    observed: Observed, work: _Pass, spec: RLJobSpec, topology: Topology, now: float
+    observed: Observed,
+    work: _Pass,
+    spec: RLJobSpec,
+    topology: Topology,
+    now: float,
+    finishing: bool = False,
 ) -> None:
-    """Role-scoped replacement of failed pods, with backoff, failure rules and the budget."""
+    """Role-scoped replacement of failed (or completed, unless ``finishing``) pods, with backoff,
+    failure rules and the budget."""
     restarts = dict(work.status.get("restarts") or {"rollout": 0, "trainer": 0})
     for pod in observed.pods:
         node = pod.get("spec", {}).get("nodeName")
@@ -712,7 +854,9 @@ def _failover(
         counter = "rollout" if role == "rollout" else "trainer"
         pods = [p for p in observed.pods if _role(p) == role]
         failures = {
-            p["metadata"]["name"]: f for p in pods if (f := _failure(p, observed.nodes_ready))
+            p["metadata"]["name"]: f
+            for p in pods
+            if (f := _failure(p, observed.nodes_ready, finishing))
         }
         decided = {n: (*_decide(spec, role, f), f) for n, f in failures.items()}
         fatal = [
@@ -736,7 +880,9 @@ def _failover(
             restarts[counter] = restarts.get(counter, 0) + len(counted)
             work.restarts[counter] = len(failures)
         elif failures:
-            _restart_group(observed, work, pods, role, decided, counted, now)
+            _restart_group(
+                observed, work, pods, role, decided, counted, now, spec.checkpoint.ephemeral
+            )
             restarts[counter] = restarts.get(counter, 0) + (1 if counted else 0)
             work.restarts[counter] = 1
         if restarts.get(counter, 0) > spec.failure_policy.max_restarts:
@@ -766,6 +912,7 @@ def _restart_group(
     decided: dict[str, tuple[str, str, Failure]],
     counted: list[str],
     now: float,
+    ephemeral: bool = False,
 ) -> None:
     """Delete the whole trainer group (or actor gang) to restart it from the last checkpoint."""
     for pod in pods:
@@ -773,11 +920,20 @@ def _restart_group(
             work.delete.append(_replace(observed, pod))
     if counted:  # backoff counts from counted restarts only
         work.status["lastRestartTime"] = _iso(now)
-    checkpoint = (work.status.get("lastCheckpoint") or {}).get("path")
-    work.status["resumeFrom"] = checkpoint
+    checkpoint = None if ephemeral else (work.status.get("lastCheckpoint") or {}).get("path")
+    if checkpoint:
+        work.status["resumeFrom"] = checkpoint
+    else:
+        work.status.pop("resumeFrom", None)
     what = "trainer group" if role == "trainer" else "actor gang"
     detail = ", ".join(f"{n}: {f.text}" for n, (_, _, f) in sorted(decided.items()))
-    resume = f"resuming from {checkpoint}" if checkpoint else "no checkpoint yet"
+    resume = (
+        f"resuming from {checkpoint}"
+        if checkpoint
+        else "starting from step 0: checkpoints are ephemeral (spec.checkpoint.ephemeral)"
+        if ephemeral
+        else "no checkpoint yet"
+    )
     note = "counted" if counted else f"not counted ({next(iter(decided.values()))[1]})"
     work.events.append(
         EventSpec("Warning", "GroupRestart", f"restarting the {what} ({detail}); {resume}; {note}")
@@ -873,9 +1029,11 @@ def _elastic(
     now: float,
     policy: Policy,
     job: dict[str, Any],
+    pods: tuple[dict[str, Any], ...] = (),
 ) -> None:
-    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown; it
-    yields for good to any other writer of the scale subresource (one owner)."""
+    """Built-in rollout autoscaling between minReplicas and maxReplicas, with a cooldown, a
+    start-up grace and hysteresis; it yields for good to any other writer of the scale
+    subresource (one owner)."""
     rollout = spec.rollout
     if topology != "disaggregated" or rollout.min_replicas is None or rollout.max_replicas is None:
         return
@@ -906,20 +1064,68 @@ def _elastic(
     stale_before = sum(
         (old.get("droppedSamples") or {}).get(k, 0) for k in ("stale_version", "expired")
     )
-    target = rollout.replicas
-    why = ""
-    if trainer.starving and rollout.replicas < rollout.max_replicas:
-        target, why = rollout.replicas + 1, "the trainer is waiting for experience"
-    elif stale_now > stale_before and rollout.replicas > rollout.min_replicas:
-        target, why = rollout.replicas - 1, f"{stale_now - stale_before} samples dropped as stale"
-    if target != rollout.replicas:
-        work.scale_to = target
-        work.status["lastScaleTime"] = _iso(now)
-        work.events.append(
-            EventSpec(
-                "Normal", "Autoscaled", f"rollout replicas {rollout.replicas} → {target}: {why}"
-            )
-        )
+    since_scale = stale_now - int(old.get("lastScaleStaleDrops") or 0)
+    target, direction = _scale_target(
+        rollout,
+        trainer.starving,
+        stale_now - stale_before,
+        since_scale,
+        _rollouts_joined(pods, progress),
+    )
+    if direction is None:
+        return
+    wait = _reversal_wait(old, direction, now, policy)
+    if wait > 0:
+        work.requeue.append(wait)
+        return
+    why = (
+        "the trainer is waiting for experience"
+        if direction == "up"
+        else f"{since_scale} samples dropped as stale"
+    )
+    work.scale_to = target
+    work.status["lastScaleTime"] = _iso(now)
+    work.status["lastScaleDirection"] = direction
+    work.status["lastScaleStaleDrops"] = stale_now
+    work.events.append(
+        EventSpec("Normal", "Autoscaled", f"rollout replicas {rollout.replicas} → {target}: {why}")
+    )
+
+
+SCALE_REVERSAL_COOLDOWNS = 4
+"""Hysteresis: scaling back the other way waits this many cooldowns after the last change, so
+a signal that flickers on a busy node does not flap the replicas 3 → 4 → 3 → 4."""
+
+
+def _scale_target(
+    rollout: Any, starving: bool, newly_stale: int, stale_since_scale: int, joined: bool
+) -> tuple[int, str | None]:
+    """(replicas, "up" | "down") the elastic rule asks for, (replicas, None) for no change.
+
+    Up only when the trainer starves, no sample went stale since the last pass (more rollouts
+    would only age the data further) and every rollout pod has joined (start-up grace: a
+    rollout still loading its engine is no reason for another one); down when samples went
+    stale since the last change of replicas while the trainer is not starving."""
+    if starving and not newly_stale and joined and rollout.replicas < rollout.max_replicas:
+        return rollout.replicas + 1, "up"
+    if stale_since_scale > 0 and not starving and rollout.replicas > rollout.min_replicas:
+        return rollout.replicas - 1, "down"
+    return rollout.replicas, None
+
+
+def _rollouts_joined(pods: tuple[dict[str, Any], ...], progress: list[Progress]) -> bool:
+    """Every rollout pod is ready and at least one rollout has reported (served experience)."""
+    rollouts = [p for p in pods if _role(p) == "rollout"]
+    reported = any(p.role == "rollout" for p in progress)
+    return bool(rollouts) and reported and all(_pod_ready(p) for p in rollouts)
+
+
+def _reversal_wait(old: dict[str, Any], direction: str, now: float, policy: Policy) -> float:
+    """Seconds a scale against the last direction still has to wait (0: go ahead)."""
+    before, last = old.get("lastScaleDirection"), _seconds(old.get("lastScaleTime"))
+    if before is None or before == direction or last is None:
+        return 0.0
+    return max(0.0, last + SCALE_REVERSAL_COOLDOWNS * policy.scale_cooldown_seconds - now)
 
 
 def _succeed(ctx: _Job, work: _Pass) -> Plan:
@@ -1032,9 +1238,13 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["phase"] = "Degraded" if status.get("degradeAction") else "Running"
         elif restarting or (old.get("phase") == "Restarting" and work.hold_roles):
             status["phase"] = "Restarting"
+        elif _still_serving(per_role, old):
+            status["phase"] = "Degraded" if status.get("degradeAction") else "Running"
         else:
             status["phase"] = "Pending"
-            problem = image_problem(observed.pods)
+            problem = image_problem(observed.pods) or claim_problem(
+                spec, ref, observed.checkpoint_claim, now
+            )
             if problem:
                 status["message"] = problem[1]
         if spec.suspend or (status["phase"] == "Running" and not work.restarts):
@@ -1065,6 +1275,7 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         if status["phase"] == "Pending":
             status["message"] = "children refused by the API server: " + "; ".join(refused)
         work.events.append(EventSpec("Warning", "ChildCreateFailed", "; ".join(refused)))
+    every = all(v["ready"] == v["desired"] for v in per_role.values())
     status["conditions"] = _conditions(
         old.get("conditions", []),
         status,
@@ -1076,12 +1287,29 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
         work.pending_why,
         None if work.kueue is None or work.user_suspended or not work.kueue.hold else work.kueue,
         problem,
+        None
+        if every
+        else "rollouts {ready}/{desired} ready".format(**per_role.get("rollout", empty)),
     )
     if work.kueue is not None:
         value, reason, text = work.kueue.admitted
         status["conditions"].append(
             _condition(old.get("conditions", []), "Admitted", value, reason, text, generation, now)
         )
+
+
+def _still_serving(per_role: dict[str, dict[str, int]], old: dict[str, Any]) -> bool:
+    """A job that ran keeps running while only rollout pods start (a replacement, a scale-up):
+    the trainer group is ready and at least one rollout serves it."""
+    trainer, rollout = per_role.get("trainer"), per_role.get("rollout")
+    return (
+        old.get("phase") in ("Running", "Degraded", "Restarting")
+        and bool(old.get("startTime"))
+        and trainer is not None
+        and rollout is not None
+        and trainer["ready"] == trainer["desired"]
+        and rollout["ready"] >= 1
+    )
 
 
 def _condition(
@@ -1117,6 +1345,7 @@ def _conditions(
     pending_why: str = "",
     held: Gate | None = None,
     waiting: tuple[str, str] | None = None,
+    starting: str | None = None,
 ) -> list[dict[str, Any]]:
     phase = status["phase"]
     message = status.get("message", "")
@@ -1135,8 +1364,10 @@ def _conditions(
         else ("True", "ChildrenCreated", "config, services, RBAC and pods were created"),
         "Running": flag(
             phase in ("Running", "Degraded"),
-            "AllPodsReady",
-            "every pod of every role is ready",
+            "TrainerReady" if starting else "AllPodsReady",
+            f"the trainer group is ready; {starting} (the others are starting)"
+            if starting
+            else "every pod of every role is ready",
             waiting_reason,
             waiting_text,
         ),
@@ -1174,14 +1405,15 @@ def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:
 
 
 def _image_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
-    """A Warning when the Running condition turns to an image problem (once, not every pass)."""
+    """A Warning when the Running condition turns to an image or checkpoint-claim problem (once,
+    not every pass)."""
 
     def running(status: dict[str, Any]) -> dict[str, Any]:
         conditions = status.get("conditions", [])
         return next((c for c in conditions if c.get("type") == "Running"), {})
 
     now, before = running(new), running(old)
-    if now.get("reason") in IMAGE_WAIT_REASONS and (
+    if now.get("reason") in (*IMAGE_WAIT_REASONS, *CLAIM_REASONS) and (
         before.get("reason"),
         before.get("message"),
     ) != (now["reason"], now.get("message")):

@@ -38,6 +38,8 @@ WORKLOAD_RULES = [
     {"apiGroups": [""], "resources": ["configmaps"],
      "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"],
+     "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["list", "create", "patch"]},
     {"apiGroups": ["scheduling.x-k8s.io", "scheduling.volcano.sh"], "resources": ["podgroups"],

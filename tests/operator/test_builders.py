@@ -3,7 +3,13 @@
 - golden manifests per topology (colocated GRPO, disaggregated DAPO): every child, byte for byte;
 - pods: stable names per role, GPU requests, rendezvous env, labels, ownerReference, restrictive
   securityContext, scheduling fields passed through;
-- the rendered worker config resolves defaults (estimator, policy loss, sampling n, weight sync).
+- the rendered worker config resolves defaults (estimator, policy loss, sampling n, weight sync);
+- checkpoints outlive the pods by default: a per-job claim owned by the job, mounted (at
+  spec.checkpoint.path) by the trainer pods only; claimName mounts the user's claim and creates
+  none; ephemeral is an emptyDir; the model claim is mounted at spec.model.volume.mountPath;
+- per-role pod-template overrides (volumes, mounts, env from a Secret, affinity, tolerations,
+  nodeSelector, pull Secrets, labels) are merged into that role's pods only; fields the
+  operator owns are refused naming the field path.
 
 Regenerate the golden files after an intended change with ``RLJOB_UPDATE_GOLDEN=1``.
 """
@@ -17,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator.api import parse_rljob, resolve_topology
+from rljob_operator.api import SpecError, parse_rljob, resolve_topology
 from rljob_operator.builders import (
     JobRef,
     build_children,
@@ -271,3 +277,141 @@ def test_build_pod_operator_nccl_env_passed_through_spec_env_wins() -> None:
     values = [(e["name"], e.get("value")) for e in pod["spec"]["containers"][0]["env"]]
     assert ("NCCL_SOCKET_IFNAME", "eth1") in values
     assert [v for n, v in values if n == "NCCL_DEBUG"] == ["WARN"]
+
+
+def _by_name(items: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((i for i in items if i["name"] == name), None)
+
+
+def test_build_children_default_checkpoints_on_per_job_claim_mounted_by_trainers_only() -> None:
+    objs = children("dapo-disaggregated")
+    claims = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    assert [c["metadata"]["name"] for c in claims] == ["demo-checkpoints"]
+    assert claims[0]["metadata"]["ownerReferences"][0]["uid"] == REF.uid
+    assert claims[0]["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "10Gi"}},
+    }
+    for pod in (o for o in objs if o["kind"] == "Pod"):
+        volume = _by_name(pod["spec"]["volumes"], "checkpoints")
+        mount = _by_name(pod["spec"]["containers"][0]["volumeMounts"], "checkpoints")
+        if pod["metadata"]["labels"]["rljob.io/role"] == "rollout":
+            assert volume is None and mount is None
+        else:
+            assert volume == {
+                "name": "checkpoints",
+                "persistentVolumeClaim": {"claimName": "demo-checkpoints"},
+            }
+            assert mount == {"name": "checkpoints", "mountPath": "/checkpoints"}
+
+
+def test_build_children_claim_name_or_ephemeral_creates_no_claim() -> None:
+    for checkpoint, source in (
+        ({"claimName": "mine", "path": "/ckpt"}, {"persistentVolumeClaim": {"claimName": "mine"}}),
+        ({"ephemeral": True, "path": "/ckpt"}, {"emptyDir": {}}),
+    ):
+        job = load_example("grpo-colocated", checkpoint=checkpoint)
+        objs = build_children(job, REF, "colocated", token="T", restart_epochs={})
+        assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+        pod = next(o for o in objs if o["kind"] == "Pod")
+        assert _by_name(pod["spec"]["volumes"], "checkpoints") == {"name": "checkpoints", **source}
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert _by_name(mounts, "checkpoints") == {"name": "checkpoints", "mountPath": "/ckpt"}
+        config = next(o for o in objs if o["metadata"]["name"] == "demo-config")
+        assert '"dir": "/ckpt"' in config["data"]["config.json"].replace('":"', '": "')
+
+
+def test_build_children_per_job_claim_takes_size_class_and_access_mode() -> None:
+    checkpoint = {"size": "50Gi", "storageClassName": "fast", "accessMode": "ReadWriteMany"}
+    job = load_example("grpo-colocated", checkpoint=checkpoint)
+    objs = build_children(job, REF, "colocated", token="T", restart_epochs={})
+    claim = next(o for o in objs if o["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "50Gi"}},
+        "storageClassName": "fast",
+    }
+
+
+def test_build_pod_model_claim_mounted_at_its_mount_path() -> None:
+    model = {"path": "/weights/tiny", "volume": {"claimName": "models", "mountPath": "/weights"}}
+    job = load_example("grpo-colocated", model=model)
+    pod = build_pod(job.spec, REF, "actor", 0, topology="colocated", config_digest="x")
+    mount = _by_name(pod["spec"]["containers"][0]["volumeMounts"], "model")
+    assert mount == {"name": "model", "mountPath": "/weights", "readOnly": True}
+
+
+OVERRIDES = {
+    "labels": {"team": "rl"},
+    "annotations": {"note": "x"},
+    "volumes": [{"name": "venv", "persistentVolumeClaim": {"claimName": "venv"}}],
+    "volumeMounts": [{"name": "venv", "mountPath": "/opt/venv", "readOnly": True}],
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}],
+    "envFrom": [{"secretRef": {"name": "wandb"}}],
+    "nodeSelector": {"pool": "trainers"},
+    "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+    "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+    "imagePullSecrets": [{"name": "regcred"}],
+}
+
+
+def test_build_pod_trainer_overrides_merged_into_trainer_pods_only() -> None:
+    dapo = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())["spec"]
+    trainer = {**dapo["trainer"], "podTemplateOverrides": OVERRIDES}
+    job = load_example("dapo-disaggregated", trainer=trainer)
+    pod = build_pod(job.spec, REF, "trainer", 0, topology="disaggregated", config_digest="x")
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert pod["metadata"]["labels"]["team"] == "rl"
+    assert pod["metadata"]["labels"]["rljob.io/role"] == "trainer"
+    assert pod["metadata"]["annotations"]["note"] == "x"
+    assert spec["volumes"][-1] == OVERRIDES["volumes"][0]
+    assert _by_name(spec["volumes"], "config") is not None
+    assert container["volumeMounts"][-1] == OVERRIDES["volumeMounts"][0]
+    assert container["env"][-1] == OVERRIDES["env"][0]
+    assert _by_name(container["env"], "RLJOB_ROLE") is not None
+    assert container["envFrom"] == OVERRIDES["envFrom"]
+    assert spec["nodeSelector"]["pool"] == "trainers"
+    assert spec["affinity"] == OVERRIDES["affinity"]
+    assert OVERRIDES["tolerations"][0] in spec["tolerations"]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    rollout = build_pod(job.spec, REF, "rollout", 0, topology="disaggregated", config_digest="x")
+    assert "team" not in rollout["metadata"]["labels"] and "affinity" not in rollout["spec"]
+    assert _by_name(rollout["spec"]["volumes"], "venv") is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"volumes": [{"name": "config", "emptyDir": {}}]},
+            "spec.trainer.podTemplateOverrides.volumes[0].name: config is a volume the "
+            "operator owns; rename it",
+        ),
+        (
+            {"env": [{"name": "RLJOB_RANK", "value": "3"}]},
+            "spec.trainer.podTemplateOverrides.env[0].name: RLJOB_RANK is set by the operator; "
+            "use another name",
+        ),
+        (
+            {"labels": {"rljob.io/role": "x"}},
+            "spec.trainer.podTemplateOverrides.labels.rljob.io/role: the operator sets labels "
+            "under rljob.io/; use another label key",
+        ),
+        (
+            {"volumeMounts": [{"name": "x", "mountPath": "/etc/rljob/extra"}]},
+            "spec.trainer.podTemplateOverrides.volumeMounts[0].mountPath: /etc/rljob/extra is "
+            "where the operator mounts its own volume; pick another path",
+        ),
+        (
+            {"volumeMounts": [{"name": "x", "mountPath": "/checkpoints"}]},
+            "spec.trainer.podTemplateOverrides.volumeMounts[0].mountPath: /checkpoints overlaps "
+            "spec.checkpoint.path (/checkpoints); pick another path",
+        ),
+    ],
+)
+def test_parse_overrides_of_operator_owned_fields_refused_naming_path(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        load_example("grpo-colocated", trainer={"replicas": 2, "podTemplateOverrides": overrides})
+    assert info.value.problems == [message]

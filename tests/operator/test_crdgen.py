@@ -628,6 +628,7 @@ COUNTEREXAMPLES = {
     "powersgd-rank": {"trainer": {"gradientCompression": {"type": "powerSGD"}}},
     "backoff": {"failurePolicy": {"backoffSeconds": 100, "maxBackoffSeconds": 50}},
     "sampling-n": {"rollout": {"sampling": {"samplesPerPrompt": 3}}},
+    "ephemeral-claim": {"checkpoint": {"claimName": "ckpt", "ephemeral": True}},
     "in-process": {
         "weightSync": {"method": "inProcess"},
         "topology": "disaggregated",

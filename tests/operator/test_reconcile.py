@@ -52,7 +52,19 @@ def observed_children(raw: dict[str, Any], pod_phase: str = "Running") -> Observ
         present=frozenset(
             (o["kind"], o["metadata"]["name"]) for o in objs if o["kind"] in RBAC_KINDS
         ),
+        checkpoint_claim=next(
+            (bound(o) for o in objs if o["kind"] == "PersistentVolumeClaim"), None
+        ),
     )
+
+
+def bound(claim: dict[str, Any]) -> dict[str, Any]:
+    """A claim as the API server has it once a volume is bound to it."""
+    claim = copy.deepcopy(claim)
+    claim["spec"].setdefault("storageClassName", "standard")
+    claim["metadata"]["creationTimestamp"] = "2027-01-15T07:00:00Z"
+    claim["status"] = {"phase": "Bound"}
+    return claim
 
 
 def converge(observed: Observed) -> Observed:
@@ -71,6 +83,7 @@ def test_reconcile_new_job_creates_every_child_pending() -> None:
     assert kinds == [
         ("ConfigMap", "dapo-disaggregated-config"),
         ("ConfigMap", "dapo-disaggregated-progress"),
+        ("PersistentVolumeClaim", "dapo-disaggregated-checkpoints"),
         ("Secret", "dapo-disaggregated-token"),
         ("ServiceAccount", "dapo-disaggregated-worker"),
         ("Role", "dapo-disaggregated-worker"),

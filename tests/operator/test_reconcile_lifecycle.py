@@ -7,6 +7,9 @@
   control; back under → cleared;
 - the elastic policy scales rollouts up when the trainer starves and down when samples go stale,
   within min/max and not inside the cooldown;
+- the elastic policy waits until every rollout pod has joined and one has reported (start-up
+  grace), and scaling back the other way waits several cooldowns (no 3 → 4 → 3 flapping);
+- a job that ran stays Running while only a replacement or new rollout pod starts;
 - totalSteps reached → Succeeded; ttlSecondsAfterFinished deletes the job.
 """
 
@@ -163,21 +166,24 @@ def test_lag_above_threshold_degrades_after_delay_and_recovers() -> None:
 def test_elastic_policy_scales_within_bounds_with_cooldown() -> None:
     observed = converged("dapo-disaggregated")  # replicas 2, min 1, max 4
     starving = Progress(role="trainer", time=NOW, step=4, starving=True)
+    serving = Progress(role="rollout", time=NOW, tokens_per_second=50.0)
     up = reconcile(
-        with_progress(observed, starving), now=NOW, policy=Policy(scale_cooldown_seconds=30)
+        with_progress(observed, starving, serving),
+        now=NOW,
+        policy=Policy(scale_cooldown_seconds=30),
     )
     assert up.scale_to == 3
-    assert up.status is not None
+    assert up.status is not None and up.status["lastScaleDirection"] == "up"
     cooling = reconcile(
-        with_progress(with_status(observed, up.status), starving),
+        with_progress(with_status(observed, up.status), starving, serving),
         now=NOW + 10,
         policy=Policy(scale_cooldown_seconds=30),
     )
     assert cooling.scale_to is None
-    stale = Progress(role="trainer", time=NOW, step=9, dropped={"stale_version": 5})
+    stale = Progress(role="trainer", time=NOW + 130, step=9, dropped={"stale_version": 5})
     down = reconcile(
         with_progress(with_status(observed, up.status), stale),
-        now=NOW + 40,
+        now=NOW + 130,
         policy=Policy(scale_cooldown_seconds=30),
     )
     assert down.scale_to == 1
@@ -193,6 +199,44 @@ def test_elastic_policy_scales_within_bounds_with_cooldown() -> None:
     )
     none = reconcile(with_progress(at_min, stale), now=NOW + 100)
     assert none.scale_to is None
+
+
+def test_elastic_policy_no_scale_up_before_every_rollout_has_joined() -> None:
+    observed = converged("dapo-disaggregated")
+    starving = Progress(role="trainer", time=NOW, step=1, starving=True)
+    loading = reconcile(with_progress(observed, starving), now=NOW)  # no rollout reported yet
+    assert loading.scale_to is None
+    serving = Progress(role="rollout", time=NOW, tokens_per_second=50.0)
+    pods = tuple(
+        running(p, "Pending") if p["metadata"]["name"].endswith("rollout-1") else p
+        for p in observed.pods
+    )
+    not_ready = Observed(**{**observed.__dict__, "pods": pods})
+    assert reconcile(with_progress(not_ready, starving, serving), now=NOW).scale_to is None
+    assert reconcile(with_progress(observed, starving, serving), now=NOW).scale_to == 3
+
+
+def test_elastic_policy_hysteresis_no_flapping_up_down_up() -> None:
+    policy = Policy(scale_cooldown_seconds=30)
+    observed = converged("dapo-disaggregated")
+    serving = Progress(role="rollout", time=NOW, tokens_per_second=50.0)
+    starving = Progress(role="trainer", time=NOW, step=4, starving=True)
+    up = reconcile(with_progress(observed, starving, serving), now=NOW, policy=policy)
+    assert up.scale_to == 3
+    observed = with_status(observed, up.status)
+    stale = Progress(role="trainer", time=NOW + 40, step=6, dropped={"stale_version": 3})
+    soon = reconcile(with_progress(observed, stale, serving), now=NOW + 40, policy=policy)
+    assert soon.scale_to is None  # past the cooldown, but a reversal waits longer
+    waited = with_status(observed, soon.status)  # the drops are in the status meanwhile
+    later = reconcile(with_progress(waited, stale, serving), now=NOW + 125, policy=policy)
+    assert later.scale_to == 1
+    both = Progress(
+        role="trainer", time=NOW + 200, step=9, starving=True, dropped={"stale_version": 3}
+    )
+    assert (
+        reconcile(with_progress(observed, both, serving), now=NOW + 200, policy=policy).scale_to
+        is None
+    )
 
 
 def test_total_steps_reached_succeeds_and_ttl_deletes_job() -> None:
@@ -249,3 +293,22 @@ def test_restart_config_change_rolls_rollouts_one_at_a_time_and_trainers_togethe
         "dapo-disaggregated-trainer-1",
     ]
     assert "RollingRestart" in [e.reason for e in plan.events]
+
+
+def test_phase_stays_running_while_a_replacement_rollout_starts() -> None:
+    observed = converged("dapo-disaggregated")
+    assert observed.job["status"]["phase"] == "Running"
+    pods = tuple(
+        running(p, "Pending") if p["metadata"]["name"].endswith("rollout-1") else p
+        for p in observed.pods
+    )
+    starting = Observed(**{**observed.__dict__, "pods": pods})
+    plan = reconcile(starting, now=NOW + 5)
+    assert plan.status is not None and plan.status["phase"] == "Running"
+    assert plan.status["rolloutReadyText"] == "1/2"
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "Running")
+    assert (condition["status"], condition["reason"]) == ("True", "TrainerReady")
+    assert "rollouts 1/2 ready" in condition["message"]
+    assert not [e for e in plan.events if e.reason in ("Pending", "Running")]
+    never_ran = reconcile(with_status(starting, {}), now=NOW + 5)
+    assert never_ran.status is not None and never_ran.status["phase"] == "Pending"

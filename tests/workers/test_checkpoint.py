@@ -4,6 +4,9 @@ Aspects under test:
 - a checkpoint restores weights, optimizer state, step, policy version, data cursor and the
   torch / Python / NumPy RNG states;
 - only the newest ``keep`` checkpoints remain; saving a step again replaces it;
+- the resume point is the newest checkpoint that exists: a named one pruned by ``keep`` since
+  gives way to the newest, a newer one (saved on SIGTERM) wins over the named one, and a named
+  one on an emptied volume is an error naming the path and the fix;
 - a crash while writing leaves the previous checkpoint as the newest, and no partial one;
 - resume is exact: the colocated PPO run resumed from step 2 produces the same step-3 loss,
   value loss, rewards and weights as the uninterrupted run.
@@ -23,6 +26,7 @@ from rljob_workers.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    resume_point,
     save_checkpoint,
 )
 from rljob_workers.colocated import build_colocated_runtime
@@ -80,6 +84,28 @@ def test_checkpoint_keep_prunes_to_the_newest(tmp_path):
     for step in (2, 4, 6, 8):
         _save(tmp_path, step, module, optimizer, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
+
+
+def test_resume_point_named_checkpoint_pruned_resumes_from_newest(tmp_path):
+    module, optimizer = _trained_linear(0)
+    named = _save(tmp_path, 2, module, optimizer, keep=2)
+    for step in (4, 6, 8):
+        _save(tmp_path, step, module, optimizer, keep=2)
+    assert not named.exists()
+    assert resume_point(tmp_path, named) == tmp_path / "step-00000008"
+
+
+def test_resume_point_newer_than_named_wins(tmp_path):
+    module, optimizer = _trained_linear(0)
+    named = _save(tmp_path, 5, module, optimizer)
+    _save(tmp_path, 7, module, optimizer)  # saved on SIGTERM after the last report
+    assert resume_point(tmp_path, named) == tmp_path / "step-00000007"
+    assert resume_point(tmp_path / "none") is None
+
+
+def test_resume_point_named_on_emptied_volume_raises_naming_path_and_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"step-00000050.*claimName"):
+        resume_point(tmp_path, tmp_path / "step-00000050")
 
 
 def test_checkpoint_same_step_saved_again_replaces_it(tmp_path):

@@ -9,6 +9,8 @@ Aspects under test:
   several);
 - DAPO dynamic sampling drops the groups without learning signal and says how many; a group
   with a NaN reward is left out (counted) and the step stays finite;
+- SIGTERM (a graceful pod deletion) during a run: the actor finishes the step, saves a checkpoint
+  of it, reports it (not done) and leaves;
 - the live control (``control.json``) acts on the actor: a tightened bound limits the versions
   the samples lag, a throttle idles in proportion to generation, a pause holds the step (the
   heartbeat continues) until unpaused;
@@ -21,7 +23,10 @@ Aspects under test:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
 import statistics
 import threading
 import time
@@ -29,7 +34,8 @@ import time
 import pytest
 import torch
 
-from rljob_workers.colocated import build_colocated_runtime
+from rljob_workers.checkpoint import latest_checkpoint
+from rljob_workers.colocated import build_colocated_runtime, run_colocated
 from rljob_workers.config import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -365,3 +371,26 @@ def test_vllm_colocated_engine_serves_every_new_policy_version(tiny_model, tmp_p
         assert record["engine_logprob_gap"] < 1e-4, record["step"]
         assert 0 < record["policy_lag_ms"] < 5_000
     print("vllm policy lag ms:", [round(r["policy_lag_ms"], 1) for r in records])
+
+
+def test_run_colocated_sigterm_mid_run_checkpoints_last_step_and_stops(tiny_model, tmp_path):
+    """A graceful pod deletion: the actor finishes its step, saves it and leaves (not done)."""
+    algorithm = _grpo(batch_size=2, mini_batch_size=2, ppo_epochs=1)
+    config = _config(tiny_model, tmp_path, algorithm=algorithm, n=2, total_steps=10)
+    ckpt = tmp_path / "ckpt"
+    config = config.model_copy(
+        update={"checkpoint": CheckpointConfig(dir=str(ckpt), every_steps=50)}
+    )
+
+    def sigterm_after_second(record):
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    records = run_colocated(config, ENV, on_step=sigterm_after_second)
+
+    assert [r["step"] for r in records] == [1, 2]
+    saved = latest_checkpoint(ckpt)
+    assert saved is not None and saved.name == "step-00000002"
+    progress = json.loads((tmp_path / "progress" / "actor-0.json").read_text())
+    assert progress["last_checkpoint"] == str(saved)
+    assert progress["done"] is False

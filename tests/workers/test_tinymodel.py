@@ -6,6 +6,9 @@ Aspects under test:
 - the saved tokenizer (loaded the way vLLM loads it) is one token per character and round-trips
 - bos / eos / pad ids agree between tokenizer, config and generation config
 - invalid sizes are rejected with the field name; the CLI prints the path
+- every file is readable by any uid (the pods run as uid 1000; safetensors writes 0600), also
+  for a model an older builder left 0600; a worker that may not read a model file says
+  "permission denied" with mode, owner and the fix, not "no such file"
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from rljob_workers.main import unreadable_model_files
 from rljob_workers.tinymodel import ALPHABET, MANIFEST_NAME, build_tiny_model, main
 
 
@@ -81,3 +85,22 @@ def test_build_tiny_model_hidden_size_not_multiple_of_head_raises(tmp_path):
 def test_main_existing_model_prints_path(tiny_model_dir, capsys):
     assert main([str(tiny_model_dir)]) == 0
     assert capsys.readouterr().out.strip() == str(tiny_model_dir)
+
+
+def test_build_tiny_model_files_readable_by_any_uid_also_when_reused(tmp_path):
+    out = build_tiny_model(tmp_path / "m")
+    (out / "model.safetensors").chmod(0o600)  # as an older builder left it
+    build_tiny_model(out)
+    for path in [out, *out.rglob("*")]:
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
+    assert unreadable_model_files(out, uid=1000, gids=[1000]) == []
+
+
+def test_unreadable_model_file_says_permission_denied_with_mode_owner_and_fix(tmp_path):
+    out = build_tiny_model(tmp_path / "m")
+    (out / "model.safetensors").chmod(0o600)
+    owner = (out / "model.safetensors").stat().st_uid
+    assert unreadable_model_files(out, uid=1000, gids=[1000]) == [
+        f"spec.model.path: {out / 'model.safetensors'}: permission denied (mode 0600, owner uid "
+        f"{owner}; this worker runs as uid 1000); make the model readable, e.g. chmod -R a+rX {out}"
+    ]

@@ -39,7 +39,10 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "published_version",
+    "record_published_version",
     "restore_rng_state",
+    "resume_point",
     "save_checkpoint",
 ]
 
@@ -193,6 +196,58 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root``, or None."""
     checkpoints = list_checkpoints(root)
     return checkpoints[-1] if checkpoints else None
+
+
+def resume_point(root: str | Path, named: str | Path | None = None) -> Path | None:
+    """The checkpoint to resume from: the newest complete one under ``root`` or ``named``.
+
+    ``named`` (the operator's ``status.resumeFrom``) may have been pruned by ``keep`` since, and
+    a checkpoint saved on SIGTERM may be newer than it: the newest that exists wins. None when
+    there is none and none was named.
+
+    Raises:
+        FileNotFoundError: ``named`` was given but no checkpoint exists at all (the volume lost
+            them); the message names the path and the fix.
+    """
+    found = list_checkpoints(root)
+    if named is not None and (Path(named) / STATE_FILE).is_file():
+        found.append(Path(named))
+    if found:
+        return max(found, key=_step_of)
+    if named is not None:
+        raise FileNotFoundError(
+            f"spec.checkpoint: the job resumes from {named}, but {root} holds no complete "
+            "checkpoint (the volume was emptied or is not the one the checkpoints were written "
+            "to); mount the claim that holds them (spec.checkpoint.claimName), or delete and "
+            "re-create the job to start from step 0"
+        )
+    return None
+
+
+PUBLISHED_FILE = "published-version"
+
+
+def record_published_version(root: str | Path, version: int) -> None:
+    """Note (atomically, beside the checkpoints) the newest policy version handed to rollouts,
+    so a trainer that resumes from an older checkpoint numbers its versions past it."""
+    root_dir = Path(root)
+    root_dir.mkdir(parents=True, exist_ok=True)
+    tmp = root_dir / f"{_TMP_PREFIX}{PUBLISHED_FILE}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(str(version))
+    os.replace(tmp, root_dir / PUBLISHED_FILE)
+
+
+def published_version(root: str | Path) -> int | None:
+    """The newest version ``record_published_version`` noted under ``root``, or None."""
+    try:
+        return int((Path(root) / PUBLISHED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _step_of(path: Path) -> int:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 def _prune(root: Path, keep: int) -> None:

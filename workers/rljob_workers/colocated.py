@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,10 +44,11 @@ from rljob_workers.checkpoint import (
     CheckpointState,
     latest_checkpoint,
     load_checkpoint,
+    resume_point,
     save_checkpoint,
 )
 from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
-from rljob_workers.control import ControlWatcher
+from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.ddp import global_sum
 from rljob_workers.engine import RolloutEngine, build_engine
 from rljob_workers.learner import Experience, Learner, build_learner
@@ -159,6 +161,10 @@ class ColocatedRuntime:
         self.distributed = env.world_size > 1
         self.on_idle: Callable[[], None] = lambda: None
         """Called while the live control holds the actor (the heartbeat keeps going)."""
+        self.stop = threading.Event()
+        """Set by SIGTERM: the actors agree on it after a step, checkpoint that step and leave."""
+        self.on_stop: Callable[[Path | None], None] = lambda path: None
+        """Called with the checkpoint saved on stop (None: nothing new to save)."""
 
     # ------------------------------------------------------------------ loop
 
@@ -168,15 +174,26 @@ class ColocatedRuntime:
         """Train until ``total_steps``, checkpointing every ``checkpoint.every_steps``."""
         records: list[dict[str, Any]] = []
         every = self.config.checkpoint.every_steps
-        while self.step < self.config.total_steps:
+        saved_at = self.step  # 0, or the checkpoint it resumed from
+        while self.step < self.config.total_steps and not self._stopping():
             record = self.train_step()
             if every > 0 and (self.step % every == 0 or self.step == self.config.total_steps):
                 saved = self.save_checkpoint()
+                saved_at = self.step
                 record["checkpoint"] = None if saved is None else str(saved)
             records.append(record)
             if on_step is not None:
                 on_step(record)
+        if self.step < self.config.total_steps and saved_at != self.step:
+            self.on_stop(self.save_checkpoint())  # stopped early: keep the last finished step
         return records
+
+    def _stopping(self) -> bool:
+        """Whether any actor was asked to stop (all agree, so all leave after the same step)."""
+        flag = torch.tensor([1 if self.stop.is_set() else 0], dtype=torch.int64)
+        if self.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def train_step(self) -> dict[str, Any]:
         """Run one full step and return its metrics record.
@@ -493,6 +510,12 @@ class _StepReporter(RoleReporter):
         self.report_step(record, done=record["step"] >= self.config.total_steps)
         log.info(format_step(record, self.config.total_steps))
 
+    def stopped(self, checkpoint: Path | None) -> None:
+        """Stopped early (SIGTERM): report the checkpoint of the last finished step."""
+        if checkpoint is not None:
+            self.last_checkpoint = str(checkpoint)
+            self.report_step(self.last_record, done=False)
+
     def idle(self) -> None:
         """While the live control pauses the actor: the last step's heartbeat, every 2 s."""
         if time.monotonic() - self._last_idle_beat >= 2.0:
@@ -538,10 +561,14 @@ def run_colocated(
     """
     with process_group(env, config):
         runtime = build_colocated_runtime(config, env, engine=engine)
-        if config.checkpoint.resume and runtime.resume():
+        named = config.checkpoint.resume_from
+        if (config.checkpoint.resume or named is not None) and runtime.resume(
+            resume_point(config.checkpoint.dir, named)  # the newest that exists
+        ):
             log.info("continuing at step %d (version %d)", runtime.step, runtime.policy_version)
         reporter = _StepReporter(config, env)
         runtime.on_idle = reporter.idle
+        runtime.on_stop = reporter.stopped
 
         def report(record: dict[str, Any]) -> None:
             reporter(record)
@@ -549,7 +576,8 @@ def run_colocated(
                 on_step(record)
 
         try:
-            return runtime.run(on_step=report)
+            with stop_on_sigterm(runtime.stop, "checkpointing after the current step"):
+                return runtime.run(on_step=report)
         finally:
             reporter.close()
             runtime.engine.close()

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import random
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,11 +54,51 @@ def validate_worker_config(config: WorkerConfig, env: ProcessEnv) -> list[str]:
     return problems
 
 
+def readable_by(st: os.stat_result, uid: int, gids: Sequence[int]) -> bool:
+    """Whether a file with this stat can be read by ``uid`` in groups ``gids`` (root reads all)."""
+    if uid == 0:
+        return True
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IRUSR)
+    if st.st_gid in gids:
+        return bool(st.st_mode & stat.S_IRGRP)
+    return bool(st.st_mode & stat.S_IROTH)
+
+
+def unreadable_model_files(
+    path: Path, uid: int | None = None, gids: Sequence[int] | None = None
+) -> list[str]:
+    """``spec.model.path`` problems for model files this process may not read (permission
+    denied, which libraries report as a missing file), each naming mode, owner and the fix."""
+    uid = os.getuid() if uid is None else uid
+    gids = [*os.getgroups(), os.getgid()] if gids is None else gids
+    problems = []
+    for file in sorted(path.iterdir()):
+        st = file.stat()
+        if file.is_file() and not readable_by(st, uid, gids):
+            problems.append(
+                f"spec.model.path: {file}: permission denied (mode {stat.S_IMODE(st.st_mode):04o}, "
+                f"owner uid {st.st_uid}; this worker runs as uid {uid}); make the model readable, "
+                f"e.g. chmod -R a+rX {path}"
+            )
+    return problems
+
+
 def _check_model(config: WorkerConfig) -> list[str]:
     path = Path(config.model.path)
     if not config.model.path:
         return ["spec.model.path: empty; set it to a local model folder (config.json + weights)"]
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+        unreadable = unreadable_model_files(path) if is_dir else []
+    except PermissionError as exc:
+        return [
+            f"spec.model.path: {path}: permission denied ({exc.strerror}; this worker runs as "
+            f"uid {os.getuid()}); make the folder readable, e.g. chmod -R a+rX {path}"
+        ]
+    if unreadable:
+        return unreadable
+    if not is_dir:
         return [
             f"spec.model.path: {path} does not exist or is not a folder; models are never "
             "downloaded: point it at a local Hugging Face model folder (or a mounted PVC)"

@@ -78,14 +78,21 @@ def build_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
     )
     out = Path(out_dir)
-    if _read_manifest(out) == spec:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    _save_tokenizer(out)
-    _save_model(out, spec)
-    (out / MANIFEST_NAME).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    if _read_manifest(out) != spec:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        _save_tokenizer(out)
+        _save_model(out, spec)
+        (out / MANIFEST_NAME).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    _make_readable(out)
     return out
+
+
+def _make_readable(out: Path) -> None:
+    """Files 0644, folders 0755: the pods run as a non-root uid (1000), and safetensors writes
+    its file 0600. A demo model holds nothing secret."""
+    for path in [out, *out.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _read_manifest(out: Path) -> TinyModelSpec | None:

@@ -46,8 +46,10 @@ from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.checkpoint import (
     CheckpointState,
-    latest_checkpoint,
     load_checkpoint,
+    published_version,
+    record_published_version,
+    resume_point,
     save_checkpoint,
 )
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
@@ -202,6 +204,7 @@ class TrainerWorker:
         self.stop = threading.Event()  # set by SIGTERM: checkpoint and leave between steps
         self.last_checkpoint: str | None = None
         self._resume()
+        self._number_past_published()
         self.accounting = StalenessAccounting(config.staleness.max_versions)
         self.dropped: dict[str, int] = {"no_signal": 0}
         self.servers: _Servers | None = None
@@ -326,10 +329,17 @@ class TrainerWorker:
                     self._starving,
                     self.accounting.max_versions,
                     self._taken_rewards,
+                    self.version,  # rank 0 may have moved past versions the rollouts hold
                 )
                 box: list[Any] = [shared]
                 dist.broadcast_object_list(box, src=0)
-                payload, self._starving, self.accounting.max_versions, self._taken_rewards = box[0]
+                (
+                    payload,
+                    self._starving,
+                    self.accounting.max_versions,
+                    self._taken_rewards,
+                    self.version,
+                ) = box[0]
             if payload is not None:
                 return payload, time.monotonic() - started, self._starving
 
@@ -359,6 +369,13 @@ class TrainerWorker:
                 wanted, n, current_version=self.version, now=time.time()
             )
         self._taken_rewards += [_task_reward(t) for t in taken]
+        newest = max((t.policy_version for t in taken), default=-1)
+        if newest > self.version:  # rollouts hold weights newer than ours (a lost note)
+            log.warning(
+                "experience of version %d is ahead of %d; continuing past it", newest, self.version
+            )
+            self.version = newest + 1
+            self._publish()
         for group in group_batch(taken, n):
             if not self.config.algorithm.dynamic_sampling or _has_signal(group):
                 self._assembling.append(group)
@@ -391,6 +408,7 @@ class TrainerWorker:
         started = time.perf_counter()
         report = self.servers.weights.publish(self.version, dict(self.policy.named_weights()))
         self.servers.experience.set_policy_version(self.version)
+        record_published_version(self.config.checkpoint.dir, self.version)
         if stepped_wall is not None:
             self.accounting.record_optimizer_step(self.version, stepped_wall)
         return {
@@ -441,17 +459,32 @@ class TrainerWorker:
         return path
 
     def _resume(self) -> None:
-        chosen = self.config.checkpoint.resume_from
-        if chosen is None and self.config.checkpoint.resume:
-            found = latest_checkpoint(self.config.checkpoint.dir)
-            chosen = None if found is None else str(found)
-        if chosen is None:
+        named = self.config.checkpoint.resume_from
+        if named is None and not self.config.checkpoint.resume:
             return
+        found = resume_point(self.config.checkpoint.dir, named)
+        if found is None:
+            return
+        chosen = str(found)
         modules, optimizers = self.learner.checkpoint_parts()
         state = load_checkpoint(chosen, modules=modules, optimizers=optimizers)
         self.step, self.version = state.step, state.policy_version
         self.last_checkpoint = chosen
         log.info("resumed from %s at step %d (version %d)", chosen, self.step, self.version)
+
+    def _number_past_published(self) -> None:
+        """Versions never repeat within a job: a trainer resuming from a checkpoint older than
+        the newest version its predecessor published starts past that one (the rollouts may
+        hold it), so no version names two different sets of weights and staleness is never
+        negative. Rank 0 decides; the group agrees."""
+        published = published_version(self.config.checkpoint.dir) if self.leader else None
+        if published is not None and published >= self.version:
+            log.info("version %d was published before; continuing at %d", published, published + 1)
+            self.version = published + 1
+        if self.distributed:
+            box: list[Any] = [self.version]
+            dist.broadcast_object_list(box, src=0)
+            self.version = int(box[0])
 
     def _write_accounting(self) -> None:
         assert self.servers is not None

@@ -58,6 +58,8 @@ apply.py, handlers.py and what kopf itself calls):
   configmaps also watch (workers' progress reports wake the job's reconcile) and get: the workers'
   Role grants configmaps get/patch, which the operator must hold itself (RBAC escalation
   prevention).
+- persistentvolumeclaims: get (the job's checkpoint claim, by name), create+patch (server-side
+  apply of the per-job claim); it goes with the RLJob by garbage collection, never deleted here.
 - rljobs/finalizers: update, so children may carry ownerReferences with blockOwnerDeletion
   (the OwnerReferencesPermissionEnforcement admission plugin checks it).
 - secrets: create only (the job's token, created once; AlreadyExists means it is there); never
@@ -90,6 +92,9 @@ apply.py, handlers.py and what kopf itself calls):
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["list", "create", "patch"]
