@@ -145,12 +145,15 @@ build_go_jobset() {
   # libraries); v0.11 needs v0.35, v0.12 v0.36. Only bench/controllers.py asks for it.
   local out="$CACHE/bin/jobset-$JOBSET_VERSION"
   [ -x "$out/jobset" ] && [ -d "$out/crds" ] && return 0
-  mkdir -p "$out.tmp"
+  local mod="$work/jobset-$JOBSET_VERSION"
+  mkdir -p "$mod" "$out.tmp"
+  # a wrapper module, as for etcd: `go install ...@version` also asks the proxy for the module's
+  # version list (deprecation check), which the proxy here refuses for sigs.k8s.io/jobset
+  printf 'module rljob.local/jobset-build\ngo 1.24\nrequire sigs.k8s.io/jobset %s\n' "$JOBSET_VERSION" > "$mod/go.mod"
   local ld="-s -w -X sigs.k8s.io/jobset/pkg/version.GitVersion=$JOBSET_VERSION"
-  (cd "$work" && GOFLAGS= GOBIN="$out.tmp" go install -trimpath -ldflags "$ld" \
-    "sigs.k8s.io/jobset@$JOBSET_VERSION")
+  (cd "$mod" && go build -trimpath -ldflags "$ld" -o "$out.tmp/jobset" sigs.k8s.io/jobset)
   local src
-  src=$(cd "$work" && GOFLAGS= go mod download -json "sigs.k8s.io/jobset@$JOBSET_VERSION" |
+  src=$(cd "$mod" && go list -m -json sigs.k8s.io/jobset |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
   mkdir -p "$out.tmp/crds"
   cp "$src"/config/components/crd/bases/*.yaml "$out.tmp/crds/"
