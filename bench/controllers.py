@@ -21,8 +21,9 @@ RLJob, the operator's passes.
 Part ``scale``: a fresh cluster with ``--nodes`` fake GPU nodes (12 GPUs each), ``--jobs`` RLJobs of
 ``--pods-per-job`` pods (1 GPU each): time to all pods Running and all jobs Running, pods Running
 over time (PNG), the operator's peak RSS (VmHWM), its CPU over a quiet window after everything runs,
-reconcile p50/p99 from its histogram, and API requests/s (apiserver_request_total) during the
-ramp and the quiet window. Bounded by ``--timeout``; on timeout it reports what it reached.
+reconcile p50/p99 from its histogram, and API requests/s (apiserver_request_total) in a window
+before any job (the control plane alone: kwok's node heartbeats and leases), during the ramp and
+in the quiet window. Bounded by ``--timeout``; on timeout it reports what it reached.
 
 Writes bench/results/controllers.json (each part under its own key), controllers_compare.png and
 controllers_scale.png.

@@ -349,16 +349,17 @@ class LocalCluster:
         health = f"http://127.0.0.1:{ports['jobset_health']}/readyz"
         self._wait(lambda: self._http_ok(health), 180, "jobset /readyz")
         probe = json.dumps(jobset.probe())
-        self._wait(
-            lambda: (
-                (
-                    self.kubectl("create", "--dry-run=server", "-f", "-", input=probe, check=False)
-                ).returncode
-                == 0
-            ),
-            120,
-            "jobset webhooks",
-        )
+        last: list[str] = []
+
+        def webhooks_answer() -> bool:
+            done = self.kubectl("create", "--dry-run=server", "-f", "-", input=probe, check=False)
+            last[:] = [done.stderr.strip()]
+            return done.returncode == 0
+
+        try:
+            self._wait(webhooks_answer, 120, "jobset webhooks")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; last dry-run create of a JobSet: {last}") from None
 
     def _start(
         self, name: str, args: Sequence[str], *, netns: str | None = None, cmd: Sequence[str] = ()
