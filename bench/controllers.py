@@ -99,6 +99,7 @@ class Watch:
         self.seen: dict[str, float] = {}
         self.met: dict[str, dict[str, float]] = {k: {} for k in predicates}
         self.timeline: list[tuple[float, int]] = []
+        self.seen_timeline: list[tuple[float, int]] = []
         self.lock = threading.Lock()
         self._stop = threading.Event()
         listing = kube.request("GET", path, query={"limit": "1"})
@@ -147,7 +148,9 @@ class Watch:
             return
         name = obj["metadata"]["name"]
         with self.lock:
-            self.seen.setdefault(name, now)
+            if name not in self.seen:
+                self.seen[name] = now
+                self.seen_timeline.append((now, len(self.seen)))
             for key, check in self.predicates.items():
                 if name not in self.met[key] and check(obj):
                     self.met[key][name] = now
@@ -550,6 +553,7 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "api_requests_per_s_quiet": (api_q1 - api_q0) / args.quiet,
             "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
             "pods_timeline": downsample([(t - start, n) for t, n in pods.timeline]),
+            "pods_created_timeline": downsample([(t - start, n) for t, n in pods.seen_timeline]),
             "jobs_timeline": downsample([(t - start, n) for t, n in jobs.timeline]),
         }
         op.kill()
@@ -603,6 +607,8 @@ def plot_scale(part: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [0.0] + [t for t, _ in part["pods_timeline"]]
     ys = [0] + [n for _, n in part["pods_timeline"]]
+    created = part.get("pods_created_timeline", [])
+    ax.plot([0.0] + [t for t, _ in created], [0] + [n for _, n in created], label="pods created")
     ax.plot(xs, ys, label="pods Running")
     jobs = part["jobs_timeline"]
     per_job = part["pods_per_job"]
