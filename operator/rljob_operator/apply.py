@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 REFUSED = (400, 403, 404, 409, 422)
 """Statuses that mean the API server refused a child as written (retrying at once cannot help)."""
 POD_WRITERS = 16
-"""Pod writes in flight at once, shared by every job (a 64-pod job was 64 round trips in a row;
-the Job controller creates its pods in parallel too). Below the client's connection pool (32)."""
+"""Child writes in flight at once, shared by every job (a 64-pod job was 64 round trips in a
+row; the Job controller creates its pods in parallel too). Below the client's connection pool
+(32)."""
 _writers: ThreadPoolExecutor | None = None
 _writers_lock = threading.Lock()
 
@@ -47,7 +48,7 @@ def apply_plan(
     for batch in _batches(plan.apply):
         if len(batch) == 1:
             outcomes = [_apply_child(kube, job, batch[0], tokens)]
-        else:  # pods in a row: written concurrently, every one tried before an error is raised
+        else:  # written concurrently, every one tried before an error is raised
             outcomes = list(_pool().map(lambda o: _apply_child(kube, job, o, tokens), batch))
         refused += [o for o in outcomes if o is not None]
     if plan.status_patch is not None:  # only on the job as observed (409 otherwise: no Events)
@@ -90,19 +91,18 @@ def apply_plan(
 
 
 def _batches(objs: Sequence[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    """The plan's objects in order, consecutive Pods grouped: whatever precedes a pod (its
-    ServiceAccount, ConfigMap, Service) is written before it, whatever follows after it."""
-    pods: list[dict[str, Any]] = []
+    """The plan's objects in order, grouped into runs of Pods and runs of other kinds: a batch
+    is written only after the one before it, so whatever precedes a pod (its ServiceAccount,
+    which admission requires, the ConfigMap, the Services) exists before it, and whatever
+    follows the pods (a Kueue Workload) is written after them."""
+    batch: list[dict[str, Any]] = []
     for obj in objs:
-        if obj["kind"] == "Pod":
-            pods.append(obj)
-            continue
-        if pods:
-            yield pods
-            pods = []
-        yield [obj]
-    if pods:
-        yield pods
+        if batch and (batch[-1]["kind"] == "Pod") != (obj["kind"] == "Pod"):
+            yield batch
+            batch = []
+        batch.append(obj)
+    if batch:
+        yield batch
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -2,8 +2,9 @@
 
 - the pods of a plan are written concurrently (a 64-pod job was 64 round trips in a row): here
   the stand-in API server lets a pod write finish only once four are in flight at once;
-- what precedes the pods in the plan (ServiceAccount, ConfigMap) is written before any pod, and
-  what follows them (a Workload) after every pod;
+- so are the objects before them (ServiceAccount, ConfigMap, Services), and all of those are
+  written before any pod (admission needs the ServiceAccount); what follows the pods (a
+  Workload) is written after every pod;
 - one pod the API server refuses is reported, and the other pods are still written;
 - an unexpected API error of one pod still fails the pass.
 
@@ -26,10 +27,17 @@ JOB = {"metadata": {"name": "j", "namespace": "ns", "uid": "u1", "resourceVersio
 
 
 class StandInApiServer:
-    """Records writes; a pod write waits until ``together`` pod writes are in flight."""
+    """Records writes; a write of a kind in ``wait_for`` waits until ``together`` writes of such
+    kinds are in flight."""
 
-    def __init__(self, together: int, refuse: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        together: int,
+        refuse: dict[str, int] | None = None,
+        wait_for: tuple[str, ...] = ("Pod",),
+    ) -> None:
         self.barrier = threading.Barrier(together, timeout=5)
+        self.wait_for = wait_for
         self.refuse = refuse or {}
         self.lock = threading.Lock()
         self.started: list[str] = []
@@ -39,7 +47,7 @@ class StandInApiServer:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
         with self.lock:
             self.started.append(name)
-        if obj["kind"] == "Pod":
+        if obj["kind"] in self.wait_for:
             self.barrier.wait()
         with self.lock:
             self.finished.append(name)
@@ -64,7 +72,16 @@ def test_apply_plan_pods_in_a_row_written_concurrently() -> None:
     plan = Plan(apply=(child("ServiceAccount", "j-worker"), child("ConfigMap", "j"), *pods(4)))
     assert apply_plan(api, JOB, plan) == ()  # type: ignore[arg-type]
     assert sorted(api.finished[2:]) == [f"Pod/j-rollout-{i}" for i in range(4)]
-    assert api.finished[:2] == ["ServiceAccount/j-worker", "ConfigMap/j"]
+    assert sorted(api.finished[:2]) == ["ConfigMap/j", "ServiceAccount/j-worker"]
+
+
+def test_apply_plan_objects_before_the_pods_written_concurrently_then_the_pods() -> None:
+    kinds = ("ServiceAccount", "ConfigMap", "Service")
+    api = StandInApiServer(together=3, wait_for=kinds)
+    before = (child("ServiceAccount", "j-worker"), child("ConfigMap", "j"), child("Service", "j"))
+    assert apply_plan(api, JOB, Plan(apply=(*before, *pods(2)))) == ()  # type: ignore[arg-type]
+    assert {n.split("/")[0] for n in api.finished[:3]} == set(kinds)
+    assert {n.split("/")[0] for n in api.started[3:]} == {"Pod"}
 
 
 def test_apply_plan_object_after_the_pods_written_after_every_pod() -> None:
