@@ -18,7 +18,9 @@ a watch (also: first pod created, all created, all bound). Median per system and
 the best median; also the API requests the whole control plane served per run and, for the
 RLJob, the operator's passes.
 
-Part ``scale``: a fresh cluster with ``--nodes`` fake GPU nodes (12 GPUs each), ``--jobs`` RLJobs of
+Part ``scale``: a fresh cluster with ``--nodes`` fake GPU nodes (12 GPUs each; a node turns NotReady
+only after 10 minutes without heartbeats, not 40 s: on 2 shared cores kwok could not renew 1,000
+nodes in time, 322 went NotReady and their pods were evicted and replaced), ``--jobs`` RLJobs of
 ``--pods-per-job`` pods (1 GPU each): time to all pods Running and all jobs Running, pods Running
 over time (PNG), the operator's peak RSS (VmHWM), its CPU over a quiet window after everything runs,
 reconcile p50/p99 from its histogram, and API requests/s (apiserver_request_total) in a window
@@ -463,6 +465,7 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         gpus_per_node=12,
         tie_to_parent=True,
         controller_qps=args.controller_qps,
+        node_grace_seconds=600,
     )
     say(f"scale: control plane with {args.nodes} fake GPU nodes (12 GPUs each)")
     cluster.up(timeout=900, progress=say)

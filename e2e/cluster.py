@@ -22,7 +22,8 @@ Command line::
 ``--kueue`` also starts the Kueue controller manager (built from its Go module; see e2e/kueue.py);
 ``jobset=True`` the JobSet controller manager (built on demand for ``bench.controllers``; see
 e2e/jobset.py). ``controller_qps`` raises the client rate limit of kube-controller-manager and
-kube-scheduler (``--kube-api-qps``, burst twice that) from their defaults (20 and 50).
+kube-scheduler (``--kube-api-qps``, burst twice that) from their defaults (20 and 50);
+``node_grace_seconds`` is how long a node may miss heartbeats before it is NotReady (40 s).
 
 As a library, ``LocalCluster(...).up()`` / ``.down()``; with ``tie_to_parent=True`` every process
 gets PR_SET_PDEATHSIG so it dies with the process that started it, even on SIGKILL.
@@ -161,6 +162,7 @@ class LocalCluster:
     real_node: bool = False
     jobset: bool = False
     controller_qps: int | None = None
+    node_grace_seconds: int = 40
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -568,7 +570,7 @@ current-context: rljob-local
             "--use-service-account-credentials=false",
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'apiserver.crt'}",
-            "--node-monitor-grace-period=40s",
+            f"--node-monitor-grace-period={self.node_grace_seconds}s",
             "--node-monitor-period=2s",
             *self._qps_args(),
             "--v=1",
