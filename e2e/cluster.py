@@ -19,7 +19,11 @@ Command line::
     python -m e2e.cluster status [--dir DIR]
     python -m e2e.cluster down [--dir DIR]
 
-``--kueue`` also starts the Kueue controller manager (built from its Go module; see e2e/kueue.py).
+``--kueue`` also starts the Kueue controller manager (built from its Go module; see e2e/kueue.py);
+``jobset=True`` the JobSet controller manager (built on demand for ``bench.controllers``; see
+e2e/jobset.py). ``controller_qps`` raises the client rate limit of kube-controller-manager and
+kube-scheduler (``--kube-api-qps``, burst twice that) from their defaults (20 and 50);
+``node_grace_seconds`` is how long a node may miss heartbeats before it is NotReady (40 s).
 
 As a library, ``LocalCluster(...).up()`` / ``.down()``; with ``tie_to_parent=True`` every process
 gets PR_SET_PDEATHSIG so it dies with the process that started it, even on SIGKILL.
@@ -44,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from e2e import kueue, realnode
+from e2e import jobset, kueue, realnode
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = Path(os.environ.get("RLJOB_CLUSTER_DIR", "/tmp/rljob-cluster"))
@@ -56,6 +60,7 @@ COMPONENTS = (
     "kube-scheduler",
     "kwok",
     "kueue",
+    "jobset",
     *realnode.NODE_COMPONENTS,
 )
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -101,13 +106,15 @@ def binary(name: str) -> Path:
         "kwok": f"kwok-{v['KWOK_VERSION']}",
         "helm": f"helm-{v['HELM_VERSION']}",
         "kueue": f"kueue-{v['KUEUE_VERSION']}",
+        "jobset": f"jobset-{v.get('JOBSET_VERSION', '')}",
         "kubelet": f"kubenode-{v['K8S_VERSION']}",
         "kube-proxy": f"kubenode-{v['K8S_VERSION']}",
         "coredns": f"coredns-{v.get('COREDNS_VERSION', '')}",
     }.get(name, f"kubernetes-{v['K8S_VERSION']}")
     path = cache_dir() / "bin" / folder / name
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run scripts/setup.sh (it builds the binaries)")
+        how = "scripts/build_controlplane.sh jobset" if name == "jobset" else "scripts/setup.sh"
+        raise FileNotFoundError(f"{path} is missing: run {how} (it builds the binaries)")
     return path
 
 
@@ -166,6 +173,9 @@ class LocalCluster:
     tie_to_parent: bool = False
     kueue: bool = False
     real_node: bool = False
+    jobset: bool = False
+    controller_qps: int | None = None
+    node_grace_seconds: int = 40
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -203,6 +213,8 @@ class LocalCluster:
         names = ["etcd", "etcd_peer", "apiserver", "kcm", "sched", "kwok"]
         if self.kueue:
             names += ["kueue_webhook", "kueue_health", "kueue_metrics"]
+        if self.jobset:
+            names += list(jobset.PORTS)
         ports = {k: free_port() for k in names}
         state: dict[str, object] = {"ports": ports, "pids": {}}
         if self.real_node:
@@ -238,6 +250,9 @@ class LocalCluster:
             if self.kueue:
                 say("starting kueue")
                 self._start_kueue(ports)
+            if self.jobset:
+                say("starting jobset")
+                self._start_jobset(ports)
             if self.real_node:
                 self._up_real_node(ports, timeout, say)
         except BaseException:
@@ -343,6 +358,23 @@ class LocalCluster:
             120,
             "kueue webhooks",
         )
+
+    def _start_jobset(self, ports: dict[str, int]) -> None:
+        self._start("jobset", jobset.prepare(self, binary("jobset").parent, ports))
+        health = f"http://127.0.0.1:{ports['jobset_health']}/readyz"
+        self._wait(lambda: self._http_ok(health), 180, "jobset /readyz")
+        probe = json.dumps(jobset.probe())
+        last: list[str] = []
+
+        def webhooks_answer() -> bool:
+            done = self.kubectl("create", "--dry-run=server", "-f", "-", input=probe, check=False)
+            last[:] = [done.stderr.strip()]
+            return done.returncode == 0
+
+        try:
+            self._wait(webhooks_answer, 120, "jobset webhooks")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; last dry-run create of a JobSet: {last}") from None
 
     def _start(
         self, name: str, args: Sequence[str], *, netns: str | None = None, cmd: Sequence[str] = ()
@@ -554,9 +586,18 @@ current-context: rljob-local
             "--use-service-account-credentials=false",
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'apiserver.crt'}",
-            "--node-monitor-grace-period=40s",
+            f"--node-monitor-grace-period={self.node_grace_seconds}s",
             "--node-monitor-period=2s",
+            *self._qps_args(),
             "--v=1",
+        ]
+
+    def _qps_args(self) -> list[str]:
+        if self.controller_qps is None:
+            return []
+        return [
+            f"--kube-api-qps={self.controller_qps}",
+            f"--kube-api-burst={2 * self.controller_qps}",
         ]
 
     def _scheduler_args(self, p: dict[str, int]) -> list[str]:
@@ -565,6 +606,7 @@ current-context: rljob-local
             "--bind-address=127.0.0.1",
             f"--secure-port={p['sched']}",
             "--leader-elect=false",
+            *self._qps_args(),
             "--v=1",
         ]
 

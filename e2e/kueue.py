@@ -46,23 +46,25 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def write_certs(pki: Path) -> dict[str, bytes]:
-    """A CA (valid for the name cert-controller checks, ``kueue-ca``) and a server certificate
-    for Kueue's Service DNS name and 127.0.0.1, both valid for ten years."""
+def write_certs(
+    pki: Path, ca_name: str = "kueue-ca", dns: str = f"{SERVICE}.{NAMESPACE}.svc"
+) -> dict[str, bytes]:
+    """A CA (valid for the name cert-controller checks, ``kueue-ca`` by default) and a server
+    certificate for a Service DNS name (Kueue's by default) and 127.0.0.1, both valid for ten
+    years (e2e/jobset.py makes its own with other names)."""
     pki.mkdir(parents=True, exist_ok=True)
     ca_key, ca_crt = pki / "ca.key", pki / "ca.crt"
     key, csr, crt, ext = pki / "tls.key", pki / "tls.csr", pki / "tls.crt", pki / "tls.ext"
     if not crt.exists():
         _openssl("genrsa", "-traditional", "-out", str(ca_key), "2048")  # PKCS#1
         _openssl(
-            "req", "-x509", "-new", "-key", str(ca_key), "-days", "3650", "-subj", "/CN=kueue-ca",
-            "-addext", "subjectAltName=DNS:kueue-ca",
+            "req", "-x509", "-new", "-key", str(ca_key), "-days", "3650", "-subj", f"/CN={ca_name}",
+            "-addext", f"subjectAltName=DNS:{ca_name}",
             "-addext", "basicConstraints=critical,CA:TRUE",
             "-addext", "keyUsage=critical,keyCertSign,digitalSignature,keyEncipherment",
             "-out", str(ca_crt),
         )  # fmt: skip
         _openssl("genrsa", "-traditional", "-out", str(key), "2048")
-        dns = f"{SERVICE}.{NAMESPACE}.svc"
         _openssl("req", "-new", "-key", str(key), "-subj", f"/CN={dns}", "-out", str(csr))
         ext.write_text(
             f"subjectAltName=DNS:{dns},IP:127.0.0.1\n"

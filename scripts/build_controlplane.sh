@@ -4,6 +4,8 @@
 #   the real node (skipped with RLJOB_REAL_NODE=0) kubelet, kube-proxy and coredns.
 # Each tool lands in $RLJOB_CACHE/bin/<tool>-<version>/ and is reused when present.
 # Usage: scripts/build_controlplane.sh            (prints the bin directory list on success)
+#        scripts/build_controlplane.sh jobset     (only the JobSet controller, for bench.controllers;
+#                                                  set-up and CI never build it)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/versions.env
@@ -136,6 +138,33 @@ build_go_kueue() {
   chmod -R u+w "$out.tmp"
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
+
+build_go_jobset() {
+  # The JobSet controller manager (the module's root package main). Its go.mod has no replace
+  # directives; v0.10.1 is the newest release built against k8s.io v0.34 (the pinned K8S_VERSION's
+  # libraries); v0.11 needs v0.35, v0.12 v0.36. Only bench/controllers.py asks for it.
+  local out="$CACHE/bin/jobset-$JOBSET_VERSION"
+  [ -x "$out/jobset" ] && [ -d "$out/crds" ] && return 0
+  local mod="$work/jobset-$JOBSET_VERSION"
+  mkdir -p "$mod" "$out.tmp"
+  # a wrapper module, as for etcd: `go install ...@version` also asks the proxy for the module's
+  # version list (deprecation check), which the proxy here refuses for sigs.k8s.io/jobset
+  printf 'module rljob.local/jobset-build\ngo 1.24\nrequire sigs.k8s.io/jobset %s\n' "$JOBSET_VERSION" > "$mod/go.mod"
+  local ld="-s -w -X sigs.k8s.io/jobset/pkg/version.GitVersion=$JOBSET_VERSION"
+  (cd "$mod" && go build -trimpath -ldflags "$ld" -o "$out.tmp/jobset" sigs.k8s.io/jobset)
+  local src
+  src=$(cd "$mod" && go list -m -json sigs.k8s.io/jobset |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  mkdir -p "$out.tmp/crds"
+  cp "$src"/config/components/crd/bases/*.yaml "$out.tmp/crds/"
+  chmod -R u+w "$out.tmp"
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
+if [ "${1:-}" = jobset ]; then
+  step "jobset $JOBSET_VERSION (controller manager + CRD)" build_go_jobset
+  exit 0
+fi
 
 step "etcd $ETCD_VERSION" build_etcd
 step "kwok $KWOK_VERSION" build_go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"

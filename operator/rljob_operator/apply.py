@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +24,12 @@ log = logging.getLogger(__name__)
 
 REFUSED = (400, 403, 404, 409, 422)
 """Statuses that mean the API server refused a child as written (retrying at once cannot help)."""
+POD_WRITERS = 16
+"""Child writes in flight at once, shared by every job (a 64-pod job was 64 round trips in a
+row; the Job controller creates its pods in parallel too). Below the client's connection pool
+(32)."""
+_writers: ThreadPoolExecutor | None = None
+_writers_lock = threading.Lock()
 
 
 def apply_plan(
@@ -36,25 +45,12 @@ def apply_plan(
             ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
         )
     refused: list[str] = []
-    for obj in plan.apply:
-        try:
-            if obj["kind"] == "Secret":
-                _create_token(kube, obj)
-                if tokens is not None:
-                    tokens.add(str(meta.get("uid")))
-            else:
-                kube.server_side_apply(obj)
-        except ApiException as exc:
-            if obj["kind"] == "PodGroup" and exc.status == 404:
-                apply_event(
-                    kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE)
-                )
-            elif namespace_terminating(exc):
-                raise  # the job goes with its namespace: nothing to report
-            elif exc.status in REFUSED:
-                refused.append(f"{obj['kind']} {obj['metadata']['name']}: {server_message(exc)}")
-            else:
-                raise
+    for batch in _batches(plan.apply):
+        if len(batch) == 1:
+            outcomes = [_apply_child(kube, job, batch[0], tokens)]
+        else:  # written concurrently, every one tried before an error is raised
+            outcomes = list(_pool().map(lambda o: _apply_child(kube, job, o, tokens), batch))
+        refused += [o for o in outcomes if o is not None]
     if plan.status_patch is not None:  # only on the job as observed (409 otherwise: no Events)
         kube.merge_patch(
             f"{GROUP}/{VERSION}",
@@ -92,6 +88,52 @@ def apply_plan(
     for event in plan.events:
         apply_event(kube, job, event)
     return tuple(refused)
+
+
+def _batches(objs: Sequence[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """The plan's objects in order, grouped into runs of Pods and runs of other kinds: a batch
+    is written only after the one before it, so whatever precedes a pod (its ServiceAccount,
+    which admission requires, the ConfigMap, the Services) exists before it, and whatever
+    follows the pods (a Kueue Workload) is written after them."""
+    batch: list[dict[str, Any]] = []
+    for obj in objs:
+        if batch and (batch[-1]["kind"] == "Pod") != (obj["kind"] == "Pod"):
+            yield batch
+            batch = []
+        batch.append(obj)
+    if batch:
+        yield batch
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _writers
+    with _writers_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(POD_WRITERS, thread_name_prefix="rljob-write")
+        return _writers
+
+
+def _apply_child(
+    kube: Kube, job: dict[str, Any], obj: dict[str, Any], tokens: set[str] | None
+) -> str | None:
+    """Write one child; the API server's refusal (``<Kind> <name>: <message>``) or None."""
+    try:
+        if obj["kind"] == "Secret":
+            _create_token(kube, obj)
+            if tokens is not None:
+                tokens.add(str(job["metadata"].get("uid")))
+        else:
+            kube.server_side_apply(obj)
+    except ApiException as exc:
+        if obj["kind"] == "PodGroup" and exc.status == 404:
+            apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
+        elif namespace_terminating(exc):
+            raise  # the job goes with its namespace: nothing to report
+        elif exc.status in REFUSED:
+            return f"{obj['kind']} {obj['metadata']['name']}: {server_message(exc)}"
+        else:
+            raise
+    return None
 
 
 def namespace_terminating(exc: ApiException) -> bool:

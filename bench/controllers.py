@@ -1,0 +1,715 @@
+"""The operator against Go controllers on the same control plane (a bench, not a test).
+
+Part ``compare``: one cluster (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
+with 32 fake GPU nodes) runs, side by side and in rotating order, ``--repeat`` times:
+
+- ``rljob``: a 64-pod RLJob (disaggregated, 56 rollouts + 8 trainers) reconciled by the operator
+  (a local process);
+- ``job``: an Indexed Job (parallelism = completions = 64) run by kube-controller-manager's Job
+  controller;
+- ``jobset``: a JobSet with one replicated Job of 64 pods run by the JobSet controller (built from
+  its Go module on first use: ``scripts/build_controlplane.sh jobset``; webhooks on, see
+  e2e/jobset.py). If it cannot be built, the table says so and the other two still run.
+
+All three pods carry the same pod spec (the operator's rollout pod; the Job and JobSet drop only
+the per-pod hostname, subdomain and the job's ServiceAccount). Each object is created with the
+same client, in a fresh namespace; the clock runs from that POST to all 64 pods Running, read off
+a watch (also: first pod created, all created, all bound). Median per system and its ratio to
+the best median; also the API requests the whole control plane served per run and, for the
+RLJob, the operator's passes.
+
+Part ``scale``: a fresh cluster with ``--nodes`` fake GPU nodes (12 GPUs each; a node turns NotReady
+only after 10 minutes without heartbeats, not 40 s: on 2 shared cores kwok could not renew 1,000
+nodes in time, 322 went NotReady and their pods were evicted and replaced), ``--jobs`` RLJobs of
+``--pods-per-job`` pods (1 GPU each): time to all pods Running and all jobs Running, pods Running
+over time (PNG), the operator's peak RSS (VmHWM), its CPU over a quiet window after everything runs,
+reconcile p50/p99 from its histogram, and API requests/s (apiserver_request_total) in a window
+before any job (the control plane alone: kwok's node heartbeats and leases), during the ramp and
+in the quiet window. Bounded by ``--timeout``; on timeout it reports what it reached.
+
+Writes bench/results/controllers.json (each part under its own key), controllers_compare.png and
+controllers_scale.png.
+Usage: .venv/bin/python -m bench.controllers [--part compare|scale|all] [--repeat 5]
+       [--jobs 500] [--pods-per-job 20] [--nodes 1000] [--controller-qps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from bench.operator_scale import job_manifest
+from bench.watch_cost import api_counters, cpu_seconds
+from e2e.cluster import REPO, LocalCluster, binary
+from e2e.jobset import API as JOBSET_API
+from e2e.operator_proc import OperatorProcess, install_crd
+from rljob_operator.api import parse_rljob
+from rljob_operator.builders import JobRef, build_children
+from rljob_operator.kube import Kube, resource_path
+from rljob_operator.reconcile import TOKEN_PLACEHOLDER
+
+RESULTS = REPO / "bench" / "results"
+PODS = 64
+SYSTEMS = ("rljob", "job", "jobset")
+
+
+def say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ watching
+
+
+def pod_running(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Running"
+
+
+def pod_bound(pod: dict[str, Any]) -> bool:
+    return bool((pod.get("spec") or {}).get("nodeName"))
+
+
+def job_running(job: dict[str, Any]) -> bool:
+    return (job.get("status") or {}).get("phase") == "Running"
+
+
+class Watch:
+    """A watch on one collection: when each object was first seen and first met each predicate
+    (monotonic seconds), and the count meeting ``track`` over time."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        path: str,
+        predicates: dict[str, Callable[[dict[str, Any]], bool]],
+        track: str,
+    ) -> None:
+        self.kube, self.path, self.predicates, self.track = kube, path, predicates, track
+        self.seen: dict[str, float] = {}
+        self.met: dict[str, dict[str, float]] = {k: {} for k in predicates}
+        self.timeline: list[tuple[float, int]] = []
+        self.seen_timeline: list[tuple[float, int]] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        listing = kube.request("GET", path, query={"limit": "1"})
+        self._rv = listing["metadata"]["resourceVersion"]
+        self._resp = self._open()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> Any:
+        method, url, headers, _body, _post = self.kube.api.param_serialize(
+            "GET",
+            self.path,
+            query_params=[
+                ("watch", "1"),
+                ("resourceVersion", self._rv),
+                ("timeoutSeconds", "900"),
+                ("allowWatchBookmarks", "true"),
+            ],
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        return self.kube.api.call_api(method, url, header_params=headers, _request_timeout=960)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            buf = b""
+            with contextlib.suppress(Exception):
+                for chunk in self._resp.response.stream(None, decode_content=False):
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            self._event(json.loads(line))
+                    if self._stop.is_set():
+                        return
+            if self._stop.is_set():
+                return
+            with contextlib.suppress(Exception):  # the server closed it: resume where it was
+                self._resp = self._open()
+
+    def _event(self, event: dict[str, Any]) -> None:
+        obj = event["object"]
+        now = time.monotonic()
+        self._rv = obj["metadata"].get("resourceVersion", self._rv)
+        if event["type"] not in ("ADDED", "MODIFIED"):
+            return
+        name = obj["metadata"]["name"]
+        with self.lock:
+            if name not in self.seen:
+                self.seen[name] = now
+                self.seen_timeline.append((now, len(self.seen)))
+            for key, check in self.predicates.items():
+                if name not in self.met[key] and check(obj):
+                    self.met[key][name] = now
+                    if key == self.track:
+                        self.timeline.append((now, len(self.met[key])))
+
+    def count(self, key: str) -> int:
+        with self.lock:
+            return len(self.met[key])
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._resp.response.release_conn()
+            self._resp.response.shutdown()
+
+
+# ------------------------------------------------------------------ the three systems
+
+
+def rljob_pod_spec() -> dict[str, Any]:
+    """The operator's rollout pod spec for the 64-pod job, minus what names that job."""
+    job = parse_rljob(job_manifest("big", rollouts=56, trainers=8))
+    children = build_children(
+        job, JobRef("big", "x", ""), "disaggregated", token=TOKEN_PLACEHOLDER, restart_epochs={}
+    )
+    pod = next(c for c in children if c["kind"] == "Pod")
+    spec = copy.deepcopy(pod["spec"])
+    for key in ("hostname", "subdomain", "serviceAccountName"):
+        spec.pop(key, None)
+    spec["restartPolicy"] = "Never"
+    return spec  # type: ignore[no-any-return]
+
+
+def rljob_object(ns: str, name: str, rollouts: int, trainers: int) -> dict[str, Any]:
+    raw = job_manifest(name, rollouts=rollouts, trainers=trainers)
+    raw["metadata"]["namespace"] = ns
+    return raw
+
+
+def job_object(ns: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "big", "namespace": ns},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": PODS,
+            "parallelism": PODS,
+            "template": {"metadata": {"labels": {"bench": "job"}}, "spec": spec},
+        },
+    }
+
+
+def jobset_object(ns: str, spec: dict[str, Any]) -> dict[str, Any]:
+    job = job_object(ns, spec)["spec"]
+    return {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": {"name": "big", "namespace": ns},
+        "spec": {"replicatedJobs": [{"name": "w", "replicas": 1, "template": {"spec": job}}]},
+    }
+
+
+def create(kube: Kube, obj: dict[str, Any]) -> None:
+    meta = obj["metadata"]
+    api, kind = obj["apiVersion"], obj["kind"]
+    if kind in ("Job", "JobSet"):
+        group_path = "/apis/batch/v1" if kind == "Job" else f"/apis/{api}"
+        plural = "jobs" if kind == "Job" else "jobsets"
+        kube.request("POST", f"{group_path}/namespaces/{meta['namespace']}/{plural}", body=obj)
+    else:
+        kube.create(obj)
+
+
+# ------------------------------------------------------------------ metrics helpers
+
+
+def histogram(text: str, name: str) -> dict[str, Any]:
+    """Buckets (upper bound → cumulative count), sum and count of one Prometheus histogram."""
+    buckets: dict[float, float] = {}
+    out: dict[str, Any] = {"buckets": buckets, "sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_sum "):
+            out["sum"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_count "):
+            out["count"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "buckets": {k: v - before["buckets"].get(k, 0.0) for k, v in after["buckets"].items()},
+        "sum": after["sum"] - before["sum"],
+        "count": after["count"] - before["count"],
+    }
+
+
+def quantile(hist: dict[str, Any], q: float) -> float | None:
+    """Prometheus ``histogram_quantile``: linear within the bucket that holds rank q·count."""
+    buckets: dict[float, float] = hist["buckets"]
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper in bounds:
+        count = buckets[upper]
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def fresh_namespace(cluster: LocalCluster, kube: Kube, name: str) -> None:
+    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    kube.request("POST", "/api/v1/namespaces", body=body)
+    wait_for(
+        lambda: kube.get("v1", "ServiceAccount", name, "default") is not None, 60, "default SA"
+    )
+
+
+def drop_namespace(kube: Kube, name: str, timeout: float = 240) -> None:
+    """Delete the namespace and wait until it is gone, so its teardown never overlaps a run."""
+    kube.request("DELETE", f"/api/v1/namespaces/{name}")
+
+    def gone() -> bool:
+        try:
+            kube.request("GET", f"/api/v1/namespaces/{name}")
+        except ApiException as exc:
+            return bool(exc.status == 404)
+        return False
+
+    with contextlib.suppress(TimeoutError):
+        wait_for(gone, timeout, f"namespace {name} gone")
+
+
+# ------------------------------------------------------------------ part 1: compare
+
+
+def ensure_jobset() -> str | None:
+    """Build the JobSet controller when missing; the reason it is unavailable, or None."""
+    try:
+        binary("jobset")
+        return None
+    except FileNotFoundError:
+        pass
+    say("building the JobSet controller from its Go module (scripts/build_controlplane.sh jobset)")
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build_controlplane.sh"), "jobset"],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return f"JobSet build failed: {done.stderr[-600:]}"
+    return None
+
+
+def run_one(
+    cluster: LocalCluster, kube: Kube, op: OperatorProcess, system: str, ns: str
+) -> dict[str, Any]:
+    fresh_namespace(cluster, kube, ns)
+    obj = {
+        "rljob": lambda: rljob_object(ns, "big", 56, 8),
+        "job": lambda: job_object(ns, rljob_pod_spec()),
+        "jobset": lambda: jobset_object(ns, rljob_pod_spec()),
+    }[system]()
+    watch = Watch(
+        kube,
+        resource_path("v1", "Pod", ns),
+        {"bound": pod_bound, "running": pod_running},
+        "running",
+    )
+    ops_before = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+    api_before = api_counters(cluster)["requests"]
+    start = time.monotonic()
+    create(kube, obj)
+    try:
+        wait_for(lambda: watch.count("running") >= PODS, 300, f"{system}: {PODS} pods Running")
+    finally:
+        watch.close()
+    api_after = api_counters(cluster)["requests"]
+    passes = histogram_delta(
+        histogram(op.metrics(), "rljob_reconcile_duration_seconds"), ops_before
+    )
+    seen = sorted(watch.seen.values())
+    result = {
+        "system": system,
+        "running_s": max(watch.met["running"].values()) - start,
+        "first_pod_s": seen[0] - start,
+        "all_created_s": seen[PODS - 1] - start,
+        "all_bound_s": max(watch.met["bound"].values()) - start,
+        "api_requests": api_after - api_before,
+        "timeline": [(round(t - start, 3), n) for t, n in watch.timeline],
+        "load": load(),
+    }
+    if system == "rljob":
+        result |= {"operator_passes": passes["count"], "operator_pass_s": passes["sum"]}
+    drop_namespace(kube, ns)
+    return result
+
+
+def compare(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    why_no_jobset = ensure_jobset()
+    systems = [s for s in SYSTEMS if s != "jobset" or why_no_jobset is None]
+    cluster = LocalCluster(
+        tmp / "compare",
+        gpu_nodes=32,
+        gpus_per_node=8,
+        tie_to_parent=True,
+        jobset="jobset" in systems,
+        controller_qps=args.controller_qps,
+    )
+    say(f"compare: control plane with 32 fake GPU nodes; systems {systems}")
+    cluster.up(progress=say)
+    runs: list[dict[str, Any]] = []
+    try:
+        install_crd(cluster)
+        op = OperatorProcess(cluster, tmp / "operator-compare.log")
+        op.start()
+        kube = Kube.connect(str(cluster.kubeconfig))
+        for run in range(args.repeat):
+            order = systems[run % len(systems) :] + systems[: run % len(systems)]
+            for system in order:
+                one = run_one(cluster, kube, op, system, f"{system}-{run}")
+                say(
+                    f"run {run + 1}/{args.repeat} {system}: {one['running_s']:.2f} s "
+                    f"(created {one['all_created_s']:.2f}, bound {one['all_bound_s']:.2f}; "
+                    f"load {one['load']:.1f})"
+                )
+                runs.append(one)
+        op.kill()
+    finally:
+        cluster.down()
+    return summarize_compare(runs, systems, why_no_jobset, args)
+
+
+def summarize_compare(
+    runs: list[dict[str, Any]], systems: list[str], why_no_jobset: str | None, args: Any
+) -> dict[str, Any]:
+    med: dict[str, dict[str, float]] = {}
+    for system in systems:
+        mine = [r for r in runs if r["system"] == system]
+        med[system] = {
+            key: statistics.median(r[key] for r in mine)
+            for key in ("running_s", "first_pod_s", "all_created_s", "all_bound_s", "api_requests")
+        }
+    best = min(med, key=lambda s: med[s]["running_s"])
+    for system in systems:
+        med[system]["ratio_to_best"] = med[system]["running_s"] / med[best]["running_s"]
+    return {
+        "pods": PODS,
+        "repeat": args.repeat,
+        "controller_qps": args.controller_qps
+        or "default (kube-controller-manager 20, scheduler 50)",
+        "jobset": f"sigs.k8s.io/jobset {_jobset_version()}"
+        if why_no_jobset is None
+        else why_no_jobset,
+        "medians": med,
+        "best": best,
+        "runs": runs,
+    }
+
+
+def _jobset_version() -> str:
+    for line in (REPO / "scripts" / "versions.env").read_text().splitlines():
+        if line.startswith("JOBSET_VERSION="):
+            return line.split("=", 1)[1].strip()
+    return "?"
+
+
+# ------------------------------------------------------------------ part 2: scale
+
+
+def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    cluster = LocalCluster(
+        tmp / "scale",
+        gpu_nodes=args.nodes,
+        gpus_per_node=12,
+        tie_to_parent=True,
+        controller_qps=args.controller_qps,
+        node_grace_seconds=600,
+    )
+    say(f"scale: control plane with {args.nodes} fake GPU nodes (12 GPUs each)")
+    cluster.up(timeout=900, progress=say)
+    result: dict[str, Any] = {
+        "nodes": args.nodes,
+        "jobs": args.jobs,
+        "pods_per_job": args.pods_per_job,
+    }
+    try:
+        install_crd(cluster)
+        op = OperatorProcess(cluster, tmp / "operator-scale.log")
+        op.start()
+        assert op.proc is not None
+        pid = op.proc.pid
+        kube = Kube.connect(str(cluster.kubeconfig))
+        ns = "scale"
+        fresh_namespace(cluster, kube, ns)
+        pods_total = args.jobs * args.pods_per_job
+        trainers = max(1, args.pods_per_job // 5)
+        docs = [
+            rljob_object(ns, f"job-{i:03d}", args.pods_per_job - trainers, trainers)
+            for i in range(args.jobs)
+        ]
+        pods = Watch(kube, resource_path("v1", "Pod", ns), {"running": pod_running}, "running")
+        jobs = Watch(
+            kube,
+            resource_path("rljob.io/v1beta1", "RLJob", ns),
+            {"running": job_running},
+            "running",
+        )
+        say(f"baseline: {args.quiet:.0f}s of API traffic before any job (kwok heartbeats ...)")
+        base0 = api_counters(cluster)["requests"]
+        time.sleep(args.quiet)
+        api0, loads = api_counters(cluster)["requests"], [load()]
+        baseline_rps = (api0 - base0) / args.quiet
+        start = time.monotonic()
+        for i, doc in enumerate(docs):
+            create(kube, doc)
+            if (i + 1) % 100 == 0:
+                say(f"created {i + 1}/{args.jobs} RLJobs")
+        created_s = time.monotonic() - start
+        next_report, reached = start, True
+        while pods.count("running") < pods_total or jobs.count("running") < args.jobs:
+            now = time.monotonic()
+            if now - start > args.timeout:
+                reached = False
+                break
+            if now >= next_report:
+                loads.append(load())
+                say(
+                    f"{now - start:5.0f}s: pods Running {pods.count('running')}/{pods_total}, "
+                    f"jobs Running {jobs.count('running')}/{args.jobs}, operator RSS "
+                    f"{rss_mib(pid):.0f} MiB, load {loads[-1]:.1f}"
+                )
+                next_report = now + 15
+            time.sleep(0.5)
+        ramp_s = time.monotonic() - start
+        api1 = api_counters(cluster)["requests"]
+        metrics_end_ramp = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+        say(f"ramp over after {ramp_s:.0f}s (reached: {reached}); quiet window {args.quiet}s")
+        cpu0, api_q0 = cpu_seconds(pid), api1
+        time.sleep(args.quiet)
+        cpu1, api_q1 = cpu_seconds(pid), api_counters(cluster)["requests"]
+        metrics_end = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+        quiet = histogram_delta(metrics_end, metrics_end_ramp)
+        pods.close()
+        jobs.close()
+        running_pod_times = sorted(pods.met["running"].values())
+        result |= {
+            "reached_all_running": reached,
+            "pods_running": pods.count("running"),
+            "jobs_running": jobs.count("running"),
+            "create_500_objects_s": created_s,
+            "all_pods_running_s": (running_pod_times[-1] - start) if reached else None,
+            "all_jobs_running_s": (max(jobs.met["running"].values()) - start) if reached else None,
+            "ramp_s": ramp_s,
+            "operator_peak_rss_mib": peak_rss_mib(pid),
+            "operator_rss_end_mib": rss_mib(pid),
+            "quiet_window_s": args.quiet,
+            "operator_cpu_cores_quiet": (cpu1 - cpu0) / args.quiet,
+            "reconcile_passes": metrics_end["count"],
+            "reconcile_p50_s": quantile(metrics_end, 0.5),
+            "reconcile_p99_s": quantile(metrics_end, 0.99),
+            "reconcile_mean_s": metrics_end["sum"] / max(metrics_end["count"], 1),
+            "reconcile_passes_quiet": quiet["count"],
+            "api_requests_per_s_baseline": baseline_rps,
+            "api_requests_per_s_ramp": (api1 - api0) / ramp_s,
+            "api_requests_per_s_quiet": (api_q1 - api_q0) / args.quiet,
+            "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+            "pods_timeline": downsample([(t - start, n) for t, n in pods.timeline]),
+            "pods_created_timeline": downsample([(t - start, n) for t, n in pods.seen_timeline]),
+            "jobs_timeline": downsample([(t - start, n) for t, n in jobs.timeline]),
+        }
+        op.kill()
+    finally:
+        cluster.down()
+    return result
+
+
+def downsample(points: list[tuple[float, int]], step: float = 1.0) -> list[tuple[float, int]]:
+    """At most one point per ``step`` seconds (the last), plus the final point."""
+    out: list[tuple[float, int]] = []
+    for t, n in points:
+        if out and int(out[-1][0] / step) == int(t / step):
+            out[-1] = (round(t, 2), n)
+        else:
+            out.append((round(t, 2), n))
+    return out
+
+
+# ------------------------------------------------------------------ output
+
+
+def plot_compare(part: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for system, med in part["medians"].items():
+        mine = [r for r in part["runs"] if r["system"] == system]
+        run = min(mine, key=lambda r: abs(r["running_s"] - med["running_s"]))
+        xs = [0.0] + [t for t, _ in run["timeline"]]
+        ys = [0] + [n for _, n in run["timeline"]]
+        ax.step(xs, ys, where="post", label=f"{system} (median {med['running_s']:.2f} s)")
+    ax.set_xlabel("seconds since create")
+    ax.set_ylabel("pods Running")
+    ax.set_title(f"{part['pods']} pods: apply → Running (median run of {part['repeat']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scale(part: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [0.0] + [t for t, _ in part["pods_timeline"]]
+    ys = [0] + [n for _, n in part["pods_timeline"]]
+    created = part.get("pods_created_timeline", [])
+    ax.plot([0.0] + [t for t, _ in created], [0] + [n for _, n in created], label="pods created")
+    ax.plot(xs, ys, label="pods Running")
+    jobs = part["jobs_timeline"]
+    per_job = part["pods_per_job"]
+    ax.plot(
+        [0.0] + [t for t, _ in jobs],
+        [0] + [n * per_job for _, n in jobs],
+        label=f"RLJobs Running × {per_job}",
+    )
+    ax.set_xlabel("seconds since the first create")
+    ax.set_ylabel("count")
+    ax.set_title(
+        f"{part['jobs']} RLJobs × {per_job} pods on {part['nodes']} fake GPU nodes "
+        f"(load {part['load_1min']['median']:.0f} on 2 cores)"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_compare(part: dict[str, Any]) -> None:
+    print(f"JobSet: {part['jobset']}; controller QPS: {part['controller_qps']}")
+    print("| system | apply → 64 Running (median) | ratio to best | first pod | all created "
+          "| all bound | API requests |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for system, m in part["medians"].items():
+        print(
+            f"| {system} | {m['running_s']:.2f} s | {m['ratio_to_best']:.2f} "
+            f"| {m['first_pod_s']:.2f} s | {m['all_created_s']:.2f} s | {m['all_bound_s']:.2f} s "
+            f"| {m['api_requests']:.0f} |"
+        )
+
+
+def print_scale(part: dict[str, Any]) -> None:
+    def fmt(v: Any, unit: str = "s", digits: int = 1) -> str:
+        return "—" if v is None else f"{v:.{digits}f} {unit}".strip()
+
+    rows = [
+        ("pods Running", f"{part['pods_running']}/{part['jobs'] * part['pods_per_job']}"),
+        ("time to all pods Running", fmt(part["all_pods_running_s"])),
+        ("time to all RLJobs Running", fmt(part["all_jobs_running_s"])),
+        ("operator peak RSS", fmt(part["operator_peak_rss_mib"], "MiB", 0)),
+        ("operator CPU, quiet window", fmt(part["operator_cpu_cores_quiet"], "cores", 4)),
+        ("reconcile p50 / p99", f"{fmt(part['reconcile_p50_s'], 's', 3)} / "
+         f"{fmt(part['reconcile_p99_s'], 's', 3)} ({part['reconcile_passes']:.0f} passes)"),
+        ("API requests/s: before any job / ramp / quiet",
+         f"{part['api_requests_per_s_baseline']:.1f} / {part['api_requests_per_s_ramp']:.0f} / "
+         f"{part['api_requests_per_s_quiet']:.1f}"),
+    ]  # fmt: skip
+    print("| scale measurement | value |")
+    print("|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=["compare", "scale", "all"], default="all")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--jobs", type=int, default=500)
+    parser.add_argument("--pods-per-job", type=int, default=20)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--timeout", type=float, default=1500, help="scale: ramp limit (s)")
+    parser.add_argument("--quiet", type=float, default=60, help="scale: quiet window (s)")
+    parser.add_argument(
+        "--controller-qps",
+        type=int,
+        default=None,
+        help="kube-controller-manager/scheduler client QPS (default: theirs, 20 and 50)",
+    )
+    parser.add_argument("--name", default="controllers", help="results file stem")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_path = RESULTS / f"{args.name}.json"
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.part in ("compare", "all"):
+            started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            part = compare(args, Path(tmp))
+            part["date"], part["uptime_after"] = started, _uptime()
+            results["compare"] = part
+            out_path.write_text(json.dumps(results, indent=2))
+            plot_compare(part, RESULTS / f"{args.name}_compare.png")
+            print_compare(part)
+        if args.part in ("scale", "all"):
+            started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            part = scale(args, Path(tmp))
+            part["date"], part["uptime_after"] = started, _uptime()
+            results["scale"] = part
+            out_path.write_text(json.dumps(results, indent=2))
+            plot_scale(part, RESULTS / f"{args.name}_scale.png")
+            print_scale(part)
+    return 0
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
