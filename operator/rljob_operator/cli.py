@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -238,15 +239,22 @@ def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -
         retry_period=args.retry_period_seconds,
     )
     health = serve_standby_health(args.liveness_port) if args.liveness_port else None
-    elector.acquire()
-    if health is not None:  # kopf serves /healthz from here on
-        health.shutdown()
-        health.server_close()
-    elector.start_renewing()
+    # Until kopf installs its own handler, SIGTERM (a rollout, `kubectl delete pod`) would kill the
+    # process outright, holding the Lease until it expires: exit cleanly and release it instead.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
+        elector.acquire()
+        if health is not None:  # kopf serves /healthz from here on
+            health.shutdown()
+            health.server_close()
+        elector.start_renewing()
         run_controller()
     finally:
         elector.release()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _add_plan_parser(sub: Any) -> None:
