@@ -6,8 +6,9 @@
 - ``--delete-after`` deletes the finished job; Ctrl-C (SIGINT) detaches and leaves the job running;
 - an invalid manifest is refused before anything is applied, naming the field.
 
-No operator runs here: the test writes the status the operator would, so what is checked is the
-CLI against a real API server.
+The test writes the status the operator would, so what is checked is the CLI against a real API
+server. Its jobs name another controller in ``spec.managedBy``, so an operator that another test
+module left running leaves them alone (it overwrote the status the test wrote).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _manifest(tmp_path: Path, name: str, steps: int = 3) -> Path:
     job = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
     job["metadata"]["name"] = name
     job["spec"]["totalSteps"] = steps
+    job["spec"]["managedBy"] = "e2e.rljob.io/status-writer"  # this test plays the controller
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
