@@ -20,8 +20,6 @@ copied from the module source). Here it runs as one more loopback process of the
 from __future__ import annotations
 
 import base64
-import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,25 +129,7 @@ def prepare(cluster: LocalCluster, folder: Path, ports: dict[str, int]) -> list[
         (cert_dir / key).write_bytes(certs[key])
     docs = [yaml.safe_load(p.read_text()) for p in sorted((folder / "crds").glob("*.yaml"))]
     docs += webhook_configurations(ports["jobset_webhook"], certs["ca.crt"])
-    cluster.kubectl(
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
-    )
-    for _ in range(120):  # a new CRD has no conditions for a moment (kubectl wait fails)
-        got = cluster.kubectl(
-            "get",
-            "crd/jobsets.jobset.x-k8s.io",
-            "-o",
-            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-            check=False,
-        )
-        if got.stdout.strip() == "True":
-            break
-        time.sleep(0.5)
+    kueue.apply_established(cluster, docs, "jobsets.jobset.x-k8s.io")
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(configuration(ports, cert_dir)))
     return [f"--config={config}", f"--kubeconfig={cluster.kubeconfig}", "--zap-log-level=info"]

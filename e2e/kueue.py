@@ -144,6 +144,30 @@ def configuration(ports: dict[str, int], cert_dir: Path) -> dict[str, Any]:
     }
 
 
+def apply_established(cluster: LocalCluster, docs: list[dict[str, Any]], crd: str) -> None:
+    """Server-side apply ``docs`` (CRDs, webhook configurations), then wait until ``crd`` is
+    Established (right after creation it has no conditions yet, so ``kubectl wait`` fails)."""
+    cluster.kubectl(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
+    )
+    for _ in range(120):
+        got = cluster.kubectl(
+            "get",
+            f"crd/{crd}",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+            check=False,
+        )
+        if got.stdout.strip() == "True":
+            break
+        time.sleep(0.5)
+
+
 def prepare(cluster: LocalCluster, folder: Path, ports: dict[str, int]) -> list[str]:
     """Namespace, certificate Secret, CRDs and webhook registrations; returns the manager's args."""
     work = cluster.workdir / "kueue"
@@ -162,25 +186,7 @@ def prepare(cluster: LocalCluster, folder: Path, ports: dict[str, int]) -> list[
         (cert_dir / key).write_bytes(certs[key])
     docs = [secret, *crds(folder, port, certs["ca.crt"])]
     docs += webhook_configurations(folder, port, certs["ca.crt"])
-    cluster.kubectl(
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
-    )
-    for _ in range(120):  # right after creation the CRD has no conditions yet (kubectl wait fails)
-        got = cluster.kubectl(
-            "get",
-            "crd/workloads.kueue.x-k8s.io",
-            "-o",
-            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-            check=False,
-        )
-        if got.stdout.strip() == "True":
-            break
-        time.sleep(0.5)
+    apply_established(cluster, docs, "workloads.kueue.x-k8s.io")
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(configuration(ports, cert_dir)))
     return [f"--config={config}", f"--kubeconfig={cluster.kubeconfig}", "--zap-log-level=2"]
