@@ -23,6 +23,7 @@ Usage:
   .venv/bin/python -m bench.matrix --smoke                 # 1 seed, 2 cells (the test runs this)
   .venv/bin/python -m bench.matrix --seeds 3 --steps 40    # the full matrix (hours on 2 cores)
   .venv/bin/python -m bench.matrix --cells grpo/colocated/none,grpo/disagg-v2/none ...
+  .venv/bin/python -m bench.matrix --seeds 3 --steps 40 --resume   # go on after an interruption
 """
 
 from __future__ import annotations
@@ -70,14 +71,18 @@ class Cell:
         return not (self.topology == "disaggregated" and on_policy and self.correction == "none")
 
 
+RUN_ORDER_MAX_VERSIONS = (2, 1, 4)
+
+
 def all_cells() -> list[Cell]:
-    """Every cell, colocated first."""
+    """Every cell: colocated first, then one maxVersions slab at a time (2, then 1, then 4), each
+    slab every correction × algorithm, so a run cut short still holds whole slabs."""
     cells = [Cell(a, "colocated", None, "none") for a in ALGORITHMS]
     cells += [
         Cell(a, "disaggregated", v, c)
-        for a in ALGORITHMS
-        for v in MAX_VERSIONS
+        for v in RUN_ORDER_MAX_VERSIONS
         for c in CORRECTIONS
+        for a in ALGORITHMS
     ]
     return cells
 
@@ -186,6 +191,7 @@ def measure_run(
     from rljob_workers.local_runner import run_local
 
     config = cell_config(cell, seed=seed, steps=steps, model=model, task=task, dataset=dataset)
+    load_before = os.getloadavg()[0]
     processes: Any = {"actor": 1} if cell.topology == "colocated" else {"rollout": 1, "trainer": 1}
     started = time.monotonic()
     result = run_local(
@@ -196,6 +202,7 @@ def measure_run(
         raise SystemExit(130)
     if not result.ok:
         return {"seed": seed, "ok": False, "failure": str(result.failure)[-2000:]}
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     lead = "actor-0" if cell.topology == "colocated" else "trainer-0"
     records = [r for r in result.records[lead] if r.get("reward_mean") is not None]
     histogram: dict[str, int] = {}
@@ -239,6 +246,7 @@ def measure_run(
             if rows
         },
         "idle_fraction": idle,
+        "load_1min_before_after": load,
     }
 
 
@@ -292,9 +300,22 @@ def summarize_cell(cell: Cell, runs: list[dict[str, Any]], task: str) -> dict[st
 
 
 def run_matrix(
-    cells: list[Cell], *, seeds: int, steps: int, task: str, workdir: Path, timeout_s: float
+    cells: list[Cell],
+    *,
+    seeds: int,
+    steps: int,
+    task: str,
+    workdir: Path,
+    timeout_s: float,
+    resume: dict[str, Any] | None = None,
+    on_cell: Any = None,
 ) -> dict[str, Any]:
-    """Every cell × seed; the result JSON (``cells`` is what ``rljob plan`` reads)."""
+    """Every cell × seed; the result JSON (``cells`` is what ``rljob plan`` reads).
+
+    ``resume``: the partial result of an earlier, interrupted run of the same settings (its
+    cells are kept, not re-run, and its time is counted);
+    ``on_cell(result)`` is called with the partial result after every cell (the bench saves it,
+    so a run cut short keeps what it measured)."""
     from rljob_workers.tinymodel import build_tiny_model
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -303,8 +324,12 @@ def run_matrix(
     model = build_tiny_model(workdir / "model", seed=0)
     dataset = write_long_task(workdir / "long.jsonl") if task == "long" else None
     started = time.monotonic()
-    rows = []
+    rows = list((resume or {}).get("cells", []))
+    finished = {row["cell"] for row in rows}
+    earlier_s = float((resume or {}).get("wall_time_s", 0.0))
     for cell in cells:
+        if cell.name in finished:
+            continue
         runs = []
         for seed in range(seeds):
             run_dir = workdir / cell.name.replace("/", "_") / f"seed{seed}"
@@ -322,6 +347,20 @@ def run_matrix(
             )
             print(f"{cell.name} seed {seed}: {_brief(runs[-1])}", flush=True)
         rows.append(summarize_cell(cell, runs, task))
+        if on_cell is not None:
+            on_cell(_result(rows, task, steps, seeds, time.monotonic() - started + earlier_s))
+    return _result(rows, task, steps, seeds, time.monotonic() - started + earlier_s, complete=True)
+
+
+def _result(
+    rows: list[dict[str, Any]],
+    task: str,
+    steps: int,
+    seeds: int,
+    wall: float,
+    *,
+    complete: bool = False,
+) -> dict[str, Any]:
     return {
         "bench": "matrix",
         "task": task,
@@ -330,7 +369,8 @@ def run_matrix(
         "seeds": seeds,
         "model": "tiny Qwen2 (hidden 64, 2 layers, character vocabulary), float32, CPU",
         "processes": "colocated: 1 actor; disaggregated: 1 rollout (transformers) + 1 trainer",
-        "wall_time_s": round(time.monotonic() - started, 1),
+        "wall_time_s": round(wall, 1),
+        "complete": complete,
         "cells": rows,
     }
 
@@ -432,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--out", default=str(RESULTS), help="folder for matrix[-<task>].json/png")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the cells of an interrupted run (matrix[-<task>].partial.json, saved after "
+        "every cell) and run the rest",
+    )
     args = parser.parse_args(argv)
     cells = all_cells()
     wanted = SMOKE_CELLS if args.smoke else tuple(c for c in args.cells.split(",") if c)
@@ -443,6 +489,28 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cells = [by_name[w] for w in wanted]
     seeds, steps = (1, 4) if args.smoke else (args.seeds, args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "matrix" if args.task == "copy" else f"matrix-{args.task}"
+    partial = out / f"{stem}.partial.json"
+    command = " ".join(["python -m bench.matrix", *(argv if argv is not None else sys.argv[1:])])
+    resume = None
+    if args.resume and partial.exists():
+        resume = json.loads(partial.read_text())
+        same = (resume.get("task"), resume.get("steps_per_run"), resume.get("seeds"))
+        if same != (args.task, steps, seeds):
+            print(
+                f"--resume: {partial} was run with task/steps/seeds {same}, not "
+                f"{(args.task, steps, seeds)}; run without --resume to start over",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"resuming: {len(resume['cells'])} cells already measured in {partial}")
+
+    def save_partial(result: dict[str, Any]) -> None:
+        result["command"] = command
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="rljob-matrix-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         result = run_matrix(
@@ -452,13 +520,13 @@ def main(argv: list[str] | None = None) -> int:
             task=args.task,
             workdir=workdir,
             timeout_s=args.timeout,
+            resume=resume,
+            on_cell=save_partial,
         )
-    result["command"] = " ".join(["python -m bench.matrix", *(argv or sys.argv[1:])])
+    result["command"] = command
     print_table(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "matrix" if args.task == "copy" else f"matrix-{args.task}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    partial.unlink(missing_ok=True)
     plot_heatmap(result, out / f"{stem}.png")
     print(f"wrote {out / stem}.json and .png")
     return 0

@@ -91,3 +91,41 @@ def test_matrix_smoke_writes_table_and_heatmap(
     assert colocated["mean_lag_versions"] == 3.0
     assert set(colocated["runs"][0]["staleness_histogram"]) == {"3"}
     assert (tmp_path / "matrix.png").stat().st_size > 0
+
+
+def test_matrix_resume_keeps_measured_cells_and_runs_only_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.matrix as matrix
+
+    calls: list[str] = []
+    cut = [True]
+
+    class Cut(Exception):
+        """The bench killed mid-cell."""
+
+    def fake_run(cell: Cell, *, seed: int, **_: object) -> dict[str, object]:
+        calls.append(cell.name)
+        if cell.name == "dapo/disagg-v2/none" and cut:
+            cut.clear()
+            raise Cut  # the run is cut short in its second cell
+        return {"seed": seed, "ok": False, "failure": "stand-in run"}
+
+    monkeypatch.setattr(matrix, "measure_run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    args = ["--cells", "grpo/colocated/none,dapo/disagg-v2/none", "--seeds", "1", "--steps", "3"]
+    out = ["--out", str(tmp_path)]
+    with pytest.raises(Cut):
+        main([*args, *out])
+    partial = json.loads((tmp_path / "matrix.partial.json").read_text())
+    assert [c["cell"] for c in partial["cells"]] == ["grpo/colocated/none"]
+    assert partial["complete"] is False
+    # other settings refuse the partial file rather than mixing runs
+    assert main(["--cells", "dapo/disagg-v2/none", "--seeds", "2", "--resume", *out]) == 2
+    calls.clear()
+    assert main([*args, "--resume", *out]) == 0
+    assert calls == ["dapo/disagg-v2/none"]
+    result = json.loads((tmp_path / "matrix.json").read_text())
+    assert [c["cell"] for c in result["cells"]] == ["grpo/colocated/none", "dapo/disagg-v2/none"]
+    assert result["complete"] is True
+    assert not (tmp_path / "matrix.partial.json").exists()
