@@ -32,6 +32,8 @@ def run_two_ranks(script: str, out_dir: Path, what: str, timeout: float = 300) -
             "RANK": str(rank),
             "WORLD_SIZE": "2",
             "OMP_NUM_THREADS": "1",
+            # a rank that aborts (SIGABRT) prints its Python stacks, which say where it came from
+            "PYTHONFAULTHANDLER": "1",
             # the script imports this module too: let it find the repository's ``tests`` package
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }

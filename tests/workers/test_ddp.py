@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from rljob_workers.config import GradientCompressionConfig
-from rljob_workers.ddp import init_process_group_from_env, wrap_ddp
+from rljob_workers.ddp import init_process_group_from_env, leave_process_group, wrap_ddp
 from tests.workers.gloo_ranks import run_two_ranks
 
 STEPS = 10
@@ -81,7 +81,7 @@ def rank_main(out_dir: Path) -> None:
         losses = train(wrap_ddp(model, config), x, y)
         results[name] = {"params": flat(model), "losses": losses}
     torch.save(results, out_dir / f"rank{context.rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

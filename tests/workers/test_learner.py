@@ -267,7 +267,7 @@ def _alternating_reward():
 
 def rank_main(out_dir: Path) -> None:
     from rljob_workers.colocated import build_colocated_runtime
-    from rljob_workers.ddp import init_process_group_from_env
+    from rljob_workers.ddp import init_process_group_from_env, leave_process_group
     from rljob_workers.tasks import TaskData
 
     torch.set_num_threads(1)
@@ -298,7 +298,8 @@ def rank_main(out_dir: Path) -> None:
     results["cursor"] = runtime.sampler.state_dict()
     results["rounds"] = record["sampling_rounds"]
     torch.save(results, out_dir / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    del learner, runtime  # what holds the group goes first (see leave_process_group)
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ from rljob_workers.checkpoint import (
 )
 from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, stop_on_sigterm
-from rljob_workers.ddp import global_sum
+from rljob_workers.ddp import global_sum, leave_process_group
 from rljob_workers.engine import RolloutEngine, build_engine
 from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
@@ -461,8 +461,7 @@ def process_group(env: ProcessEnv, config: WorkerConfig) -> Iterator[None]:
     try:
         yield
     finally:
-        if dist.is_initialized():  # vLLM's in-process engine may already have torn it down
-            dist.destroy_process_group()
+        leave_process_group()  # a no-op when vLLM's in-process engine already tore it down
 
 
 def build_colocated_runtime(
@@ -560,27 +559,38 @@ def run_colocated(
     operator as a ``Progress`` heartbeat.
     """
     with process_group(env, config):
-        runtime = build_colocated_runtime(config, env, engine=engine)
-        named = config.checkpoint.resume_from
-        if (config.checkpoint.resume or named is not None) and runtime.resume(
-            resume_point(config.checkpoint.dir, named)  # the newest that exists
-        ):
-            log.info("continuing at step %d (version %d)", runtime.step, runtime.policy_version)
-        reporter = _StepReporter(config, env)
-        runtime.on_idle = reporter.idle
-        runtime.on_stop = reporter.stopped
+        # the runtime (and its DDP reducer) lives only in _run_actor's frame, so it is freed
+        # before the group is left
+        return _run_actor(config, env, engine, on_step)
 
-        def report(record: dict[str, Any]) -> None:
-            reporter(record)
-            if on_step is not None:
-                on_step(record)
 
-        try:
-            with stop_on_sigterm(runtime.stop, "checkpointing after the current step"):
-                return runtime.run(on_step=report)
-        finally:
-            reporter.close()
-            runtime.engine.close()
+def _run_actor(
+    config: WorkerConfig,
+    env: ProcessEnv,
+    engine: RolloutEngine | None,
+    on_step: Callable[[dict[str, Any]], None] | None,
+) -> list[dict[str, Any]]:
+    runtime = build_colocated_runtime(config, env, engine=engine)
+    named = config.checkpoint.resume_from
+    if (config.checkpoint.resume or named is not None) and runtime.resume(
+        resume_point(config.checkpoint.dir, named)  # the newest that exists
+    ):
+        log.info("continuing at step %d (version %d)", runtime.step, runtime.policy_version)
+    reporter = _StepReporter(config, env)
+    runtime.on_idle = reporter.idle
+    runtime.on_stop = reporter.stopped
+
+    def report(record: dict[str, Any]) -> None:
+        reporter(record)
+        if on_step is not None:
+            on_step(record)
+
+    try:
+        with stop_on_sigterm(runtime.stop, "checkpointing after the current step"):
+            return runtime.run(on_step=report)
+    finally:
+        reporter.close()
+        runtime.engine.close()
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:

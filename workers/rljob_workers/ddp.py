@@ -16,6 +16,7 @@ Gradient compression is a DDP communication hook:
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,6 +127,22 @@ def register_compression_hook(
         random_seed=0,
     )
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group once nothing holds it any more.
+
+    Call it after the objects that use the group (DDP wrappers and their reducers, PowerSGD
+    state) are out of scope. Collecting them first means the gloo group and its worker threads
+    are torn down now, while the interpreter is fully alive; a group whose last owner is only
+    freed during interpreter finalization can abort a process that has finished its work
+    ("terminate called without an active exception", exit 134), which turns a successful rank
+    into a failed pod.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def wrap_ddp(

@@ -54,7 +54,7 @@ from rljob_workers.checkpoint import (
 )
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, FileWatcher, stop_on_sigterm
-from rljob_workers.ddp import init_process_group_from_env
+from rljob_workers.ddp import init_process_group_from_env, leave_process_group
 from rljob_workers.learner import Experience, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
@@ -565,15 +565,21 @@ def _trainer_group(config: WorkerConfig, env: ProcessEnv) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def run_trainer_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     """The trainer process: join the group, build, resume, train, report; return the records."""
     with _trainer_group(config, env):
-        worker = TrainerWorker(config, env)
-        try:
-            with stop_on_sigterm(worker.stop, "checkpointing after the current step"):
-                return worker.run()
-        finally:
-            worker.close()
+        # the worker (and its DDP reducer) lives only in _train's frame, so it is freed before
+        # the group is left
+        return _train(config, env)
+
+
+def _train(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
+    worker = TrainerWorker(config, env)
+    try:
+        with stop_on_sigterm(worker.stop, "checkpointing after the current step"):
+            return worker.run()
+    finally:
+        worker.close()

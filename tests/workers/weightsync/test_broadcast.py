@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from rljob_workers.ddp import init_process_group_from_env
+from rljob_workers.ddp import init_process_group_from_env, leave_process_group
 from rljob_workers.weightsync import broadcast_weights
 from tests.workers.gloo_ranks import run_two_ranks
 
@@ -61,7 +61,7 @@ def rank_main(out_dir: Path) -> None:
     except ValueError as err:
         results["mismatch"] = str(err)
     torch.save(results, out_dir / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")
