@@ -77,6 +77,8 @@ DEFAULT_STORAGE_CLASS: dict[str, object] = {
 }
 """The cluster's default StorageClass, as most clusters have one: the controller-manager's
 hostPath provisioner (test-only, one machine) binds claims that name no class at once."""
+HOSTPATH_PROVISIONER_DIR = Path("/tmp/hostpath_pv")
+"""Where the controller-manager's hostPath provisioner makes a directory per volume."""
 
 
 def _versions() -> dict[str, str]:
@@ -262,8 +264,12 @@ class LocalCluster:
 
     def down(self) -> None:
         """Stop every process of this cluster (by pid file, then by scanning /proc for strays);
-        with a real node, also remove everything it left on the host."""
+        with a real node, also remove everything it left on the host, and the directories the
+        hostPath provisioner made for this cluster's claims."""
+        provisioned = self._provisioned_dirs()
         self._stop_processes()
+        for path in provisioned:
+            shutil.rmtree(path, ignore_errors=True)
         state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
         node = state.get("real_node")
         if node is not None or Path(self.node.netns_path).exists():
@@ -272,6 +278,23 @@ class LocalCluster:
                 raise RuntimeError(f"real node teardown left behind: {left}")
             state.pop("real_node", None)
             self.state_file.write_text(json.dumps(state))
+
+    def _provisioned_dirs(self) -> list[Path]:
+        """Directories of this cluster's dynamically provisioned volumes (read from the API
+        server while it runs; none when it does not). The provisioner only deletes them when a
+        claim is deleted before the cluster stops."""
+        if not self.kubeconfig.exists() or not self.running_pids().get("kube-apiserver"):
+            return []
+        cmd = [str(binary("kubectl")), f"--kubeconfig={self.kubeconfig}", "--request-timeout=5s"]
+        try:
+            out = subprocess.run(
+                [*cmd, "get", "pv", "-o", "json"], capture_output=True, text=True, timeout=15
+            )
+            volumes = json.loads(out.stdout).get("items", []) if out.returncode == 0 else []
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return []
+        paths = (Path((v["spec"].get("hostPath") or {}).get("path") or "/") for v in volumes)
+        return [p for p in paths if p.parent == HOSTPATH_PROVISIONER_DIR]
 
     def _stop_processes(self) -> None:
         pids = dict(self._recorded_pids())

@@ -234,6 +234,25 @@ def test_cli_down_stops_a_detached_cluster(tmp_path: Path) -> None:
             ).stdout
         )
         assert "kube-apiserver" in status["running"]
+        # a claim bound by the hostPath provisioner: its directory goes with the cluster
+        cluster = LocalCluster(workdir)
+        claim = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "scratch", "namespace": "default"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1Mi"}},
+            },
+        }
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(claim))
+
+        def volume_dir() -> str:
+            out = cluster.kubectl("get", "pv", "-o", "jsonpath={.items[*].spec.hostPath.path}")
+            return out.stdout.strip()
+
+        provisioned = Path(str(wait_for(volume_dir, 60, "the claim's volume provisioned")))
+        assert provisioned.parent == Path("/tmp/hostpath_pv") and provisioned.is_dir()
     finally:
         subprocess.run(
             [sys.executable, "-m", "e2e.cluster", "down", "--dir", str(workdir)],
@@ -244,3 +263,4 @@ def test_cli_down_stops_a_detached_cluster(tmp_path: Path) -> None:
         )
     time.sleep(0.5)
     assert not LocalCluster(workdir).running_pids()
+    assert not provisioned.exists(), f"{provisioned} left behind by down"
