@@ -7,9 +7,10 @@ Aspects under test:
 - a trajectory id is accepted once: redeliveries are dropped and counted, even after a take;
 - take_groups returns only whole groups, contiguous, oldest group first;
 - drop counts by reason; oldest_age; constructor validation;
-- ``Trajectory`` holds its tokens as numpy arrays: lists are converted once (int32 ids, float64
-  log-probs), arrays of the right dtype are kept without a copy, equality compares values
-  exactly, and ids outside int32 or non-integer ids are errors naming the trajectory and field.
+- ``Trajectory`` holds its tokens as numpy arrays: lists are converted once (int32 ids; float32
+  log-probs when lossless, else float64, never rounded), arrays of the right dtype are kept
+  without a copy, equality compares values exactly, and ids outside int32 or non-integer ids
+  are errors naming the trajectory and field.
 """
 
 import dataclasses
@@ -221,6 +222,15 @@ def test_trajectory_lists_become_int32_and_float64_arrays() -> None:
     assert t.behaviour_logprobs.dtype == np.float64
     assert t.response_ids.tolist() == [3, 151_000]
     assert t.behaviour_logprobs.tolist() == [-0.5, -1.0 / 3.0]
+
+
+def test_trajectory_float32_exact_logprob_list_stored_as_float32() -> None:
+    sampled = [float(np.float32(-1.0 / 3.0)), -0.5, 0.0]
+
+    t = Trajectory("a", 0, 0.0, [1], [2, 3, 4], sampled, 1.0, "g")
+
+    assert t.behaviour_logprobs.dtype == np.float32
+    assert t.behaviour_logprobs.tolist() == sampled
 
 
 def test_trajectory_arrays_of_wire_dtypes_kept_without_copy() -> None:

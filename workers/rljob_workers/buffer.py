@@ -40,7 +40,7 @@ __all__ = [
 TokenIds = npt.NDArray[np.int32]
 """Token ids as a 1-D int32 array (every vocabulary fits; the wire carries int32)."""
 LogProbs = npt.NDArray[np.float32] | npt.NDArray[np.float64]
-"""Log-probs as a 1-D float array: float32 as vLLM samples them, float64 when they do not fit."""
+"""Log-probs as a 1-D float array: float32 when lossless (vLLM's are), else float64."""
 _INT32 = np.iinfo(np.int32)
 
 DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate")
@@ -80,14 +80,19 @@ def as_token_ids(values: Sequence[int] | npt.NDArray[Any], where: str) -> TokenI
 
 
 def as_logprobs(values: Sequence[float] | npt.NDArray[Any], where: str) -> LogProbs:
-    """``values`` as a 1-D float32 or float64 array (float32 kept, anything else float64)."""
+    """``values`` as a 1-D float array, never rounded: float32 and float64 arrays are kept as
+    they are; anything else (a list from an engine or JSON) becomes float32 when every value
+    survives float32 exactly (vLLM's log-probs do: half the memory, and what the binary wire
+    format sends without another look), else float64."""
     if isinstance(values, np.ndarray) and values.dtype in (np.float32, np.float64):
         array: npt.NDArray[Any] = values
     else:
         try:
-            array = np.asarray(values, dtype=np.float64)
+            wide = np.asarray(values, dtype=np.float64)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{where}: expected a sequence of numbers ({err})") from None
+        narrow = wide.astype(np.float32)
+        array = narrow if np.array_equal(narrow, wide) else wide
     if array.ndim != 1:
         raise ValueError(f"{where}: expected one row of log-probs, got shape {array.shape}")
     return array
@@ -100,10 +105,11 @@ class Trajectory:
     ``created_at`` is in seconds on the clock the caller passes as ``now``. Samples answering
     the same prompt share a ``group_id`` (a GRPO group).
 
-    The token arrays are numpy arrays (``TokenIds``, ``LogProbs``): sequences given to the
-    constructor are converted once, arrays of the right dtype are kept as they are (the binary
-    wire format decodes straight into them), so nothing on the ingest path walks the tokens
-    in Python. Treat them as read-only. Equality compares values (log-probs exactly).
+    The token arrays are numpy arrays (``TokenIds``, ``LogProbs``, see ``as_token_ids`` and
+    ``as_logprobs``): sequences given to the constructor are converted once, int32 and float
+    arrays are kept as they are (the binary wire format decodes straight into them), so nothing
+    on the ingest path walks the tokens in Python. Treat them as read-only. Equality compares
+    values (log-probs exactly).
     """
 
     id: str

@@ -115,7 +115,7 @@ def encode_batch(trajectories: Sequence[Trajectory], content_type: str) -> bytes
     return encode_trajectories(trajectories)
 
 
-def decode_batch(body: bytes, content_type: str | None) -> list[Trajectory]:
+def decode_batch(body: bytes | bytearray, content_type: str | None) -> list[Trajectory]:
     """Parse a batch sent as ``content_type``; ``ValueError`` for an unknown type or bad body."""
     kind = media_type(content_type)
     if kind == BINARY_CONTENT_TYPE:
@@ -245,7 +245,7 @@ def _trusted_arrays(obj: dict[str, Any]) -> Trajectory:
     )
 
 
-def decode_trajectories(body: bytes) -> list[Trajectory]:
+def decode_trajectories(body: bytes | bytearray) -> list[Trajectory]:
     """Parse a JSON-lines batch; ``ValueError`` names the 1-based line and the bad field."""
     trajectories = []
     for number, line in enumerate(body.decode().splitlines(), start=1):
