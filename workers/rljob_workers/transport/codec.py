@@ -40,6 +40,12 @@ Every length is in the fixed frame header, so a reader knows each frame's size b
 it. Log-probs travel as float32 (``lp_width`` 4) when every value survives the round trip
 through float32 exactly (vLLM's do) and as float64 (8) otherwise, so they arrive bit-identical
 either way. Token ids must fit in int32 (every vocabulary does).
+
+Neither side walks the tokens in Python: ``Trajectory`` holds numpy arrays of the wire's dtypes
+(int32 ids; float32 log-probs when lossless), so encoding writes each array's memory as it is
+and decoding copies each array once out of the body into its own aligned array. The copy is
+deliberate: views into the request body would save one memcpy but keep a whole batch's body
+alive for as long as any one of its trajectories waits in the buffer.
 """
 
 from __future__ import annotations
