@@ -196,7 +196,8 @@ def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
                 samples[mode].append((seconds, sum(len(b) for b in bodies), seconds))
             else:
                 samples[mode].append(measure_stream(count, r, batch, mode, clients))
-        print(f"repeat {r + 1}/{repeat} done", flush=True)
+        took = ", ".join(f"{m} {samples[m][-1][0] * 1000:.1f} ms" for m in MODES)
+        print(f"repeat {r + 1}/{repeat} ({' -> '.join(order)}): {took}", flush=True)
     rows = {}
     for mode, runs in samples.items():
         seconds = statistics.median(s for s, _, _ in runs)
@@ -204,6 +205,7 @@ def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
         rows[mode] = {
             "seconds": seconds,
             "seconds_incl_process_sync": statistics.median(w for _, _, w in runs),
+            "seconds_each": [round(s, 6) for s, _, _ in runs],
             "wire_mb": wire_bytes / 1e6,
             "mb_per_s": wire_bytes / 1e6 / seconds,
             "mtokens_per_s": tokens / 1e6 / seconds,
