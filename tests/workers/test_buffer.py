@@ -252,8 +252,8 @@ def test_trajectory_empty_response_is_an_empty_int32_array() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("response_ids", [1, 1 << 40], "token id beyond int32"),
-        ("prompt_ids", [-(1 << 31) - 1], "token id beyond int32"),
+        ("response_ids", [1, 1 << 40], "token id 1099511627776 beyond int32"),
+        ("prompt_ids", [5, -(1 << 31) - 1], "token id -2147483649 beyond int32"),
         ("prompt_ids", [1.5], "expected integer token ids"),
         ("response_ids", [[1, 2]], "expected one row"),
         ("behaviour_logprobs", ["x"], "expected a sequence of numbers"),

@@ -71,8 +71,10 @@ def as_token_ids(values: Sequence[int] | npt.NDArray[Any], where: str) -> TokenI
             array = array.astype(np.int32)
         if array.dtype.kind not in "iu":
             raise ValueError(f"{where}: expected integer token ids, got dtype {array.dtype}")
-        if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
-            raise ValueError(f"{where}: token id beyond int32 ({array.max()!r:.40})")
+        low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+        if low < _INT32.min or high > _INT32.max:
+            bad = low if low < _INT32.min else high
+            raise ValueError(f"{where}: token id {bad} beyond int32 (every vocabulary fits)")
         array = array.astype(np.int32, copy=False)
     if array.ndim != 1:
         raise ValueError(f"{where}: expected one row of token ids, got shape {array.shape}")
