@@ -4,6 +4,7 @@ Aspects under test:
 - an answer (status line, headers and a small body) leaves in one ``send`` per request, so a
   connection thread gives up and wins back the GIL once per answer, not once per write;
 - large chunked answers still arrive whole and intact behind buffered headers;
+- ``Expect: 100-continue`` (curl's large POSTs) gets its ``100 Continue`` before the body is sent;
 - keep-alive: several requests on one connection each get their complete answer.
 """
 
@@ -88,3 +89,25 @@ def test_authhttp_large_chunked_answer_arrives_whole() -> None:
         server.close()
 
     assert bodies == [b"head" + payload] * 2 and sent.is_set()
+
+
+def test_authhttp_expect_100_continue_answered_before_the_body() -> None:
+    routes = {("POST", "/echo"): lambda r: json_response({"n": len(r.body)})}
+    server = AuthenticatedHTTPServer(TOKEN, routes)
+    server.start()
+    try:
+        with socket.create_connection(server.address, timeout=5) as conn:
+            conn.sendall(
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                + b"\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n"
+            )  # fmt: skip
+            interim = conn.recv(1024)
+            conn.sendall(b"abc")
+            final = b""
+            while not final.endswith(b'{"n":3}'):
+                final += conn.recv(1024)
+    finally:
+        server.close()
+
+    assert interim.startswith(b"HTTP/1.1 100 Continue")
+    assert final.startswith(b"HTTP/1.1 200")

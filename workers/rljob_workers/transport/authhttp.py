@@ -113,6 +113,12 @@ class _Handler(BaseHTTPRequestHandler):
     wbufsize = 1 << 16
     server: _ThreadingServer
 
+    def handle_expect_100(self) -> bool:
+        """Send ``100 Continue`` now, not at the answer's flush (curl waits for it)."""
+        go_on = super().handle_expect_100()
+        self.wfile.flush()
+        return go_on
+
     def do_GET(self) -> None:
         self._dispatch("GET")
 
