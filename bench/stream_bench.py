@@ -7,11 +7,16 @@ Side by side in one run, alternating each repeat, on the same realistic trajecto
    pre-allocated buffer (no HTTP, no parsing): what loopback itself allows;
 2. ``binary``: rollout processes' ``ExperienceClient`` -> the trainer's ``ExperienceServer``
    -> ``ExperienceBuffer`` with binary frames (client encoding, HTTP, auth, decoding into
-   ``Trajectory`` lists, de-dup, buffering);
+   ``Trajectory`` numpy arrays, de-dup, buffering);
 3. ``json``: the same path with JSON lines (what every release before the binary format sent).
 
-Also the codec alone, in process: binary encode and decode rates (what each side's CPU spends).
-Tokens are prompt + response tokens; MB are bytes on the wire of that format.
+Also the codec alone, in process: binary encode and decode rates (what each side's CPU spends),
+and ``rollout_build``: building the ``Trajectory`` objects from the engine's Python lists (the one
+list -> array conversion, done by the rollout when it generates, outside the timed ingest).
+Tokens are prompt + response tokens; MB are bytes on the wire of that format. Rates use ``s``:
+from the first rollout's first encode to the last ack (every trajectory in the buffer), on the
+monotonic clock all processes share; ``s+sync`` adds the harness's cross-process start signal and
+result queue (the floor, in one process, has neither).
 Writes bench/results/stream_bench.{json,png}.
 Usage: .venv/bin/python -m bench.stream_bench [--repeat 5] [--trajectories 192] [--batch 16]
        [--clients 2]
@@ -43,26 +48,32 @@ TOKEN = "bench-token"
 MODES = ("floor", "binary", "json")
 
 
-def make_trajectories(count: int, seed: int) -> list[Trajectory]:
-    """Trajectories of 256 prompt tokens and 1k-8k response tokens with float32 log-probs."""
+def engine_rows(count: int, seed: int) -> list[dict[str, Any]]:
+    """What an engine hands the rollout: 256 prompt tokens and 1k-8k response tokens with
+    float32-valued log-probs, all as Python lists (as vLLM's and the HF engine's outputs are)."""
     rng = np.random.default_rng(seed)
-    trajectories = []
+    rows = []
     for index in range(count):
         length = int(rng.integers(1024, 8193))
         logprobs = (-rng.exponential(1.0, length)).astype(np.float32).astype(np.float64)
-        trajectories.append(
-            Trajectory(
-                id=f"s{seed}-{index}",
-                policy_version=0,
-                created_at=time.time(),
-                prompt_ids=rng.integers(0, 151_000, 256).tolist(),
-                response_ids=rng.integers(0, 151_000, length).tolist(),
-                behaviour_logprobs=logprobs.tolist(),
-                reward=float(index % 2),
-                group_id=f"g{index // 8}",
-            )
+        rows.append(
+            {
+                "id": f"s{seed}-{index}",
+                "policy_version": 0,
+                "created_at": time.time(),
+                "prompt_ids": rng.integers(0, 151_000, 256).tolist(),
+                "response_ids": rng.integers(0, 151_000, length).tolist(),
+                "behaviour_logprobs": logprobs.tolist(),
+                "reward": float(index % 2),
+                "group_id": f"g{index // 8}",
+            }
         )
-    return trajectories
+    return rows
+
+
+def make_trajectories(count: int, seed: int) -> list[Trajectory]:
+    """The trajectories a rollout holds after generating ``engine_rows``."""
+    return [Trajectory(**row) for row in engine_rows(count, seed)]
 
 
 def tokens_of(trajectories: list[Trajectory]) -> int:
@@ -110,20 +121,27 @@ def _rollout(
     sent: Any,
 ) -> None:
     """One rollout process: build its share of the trajectories (in this process, as a rollout
-    holds what it generated), connect, wait for the start signal, deliver."""
+    holds what it generated), connect, wait for the start signal, deliver; report the
+    ``perf_counter`` (CLOCK_MONOTONIC, one clock for every process) at its start and last ack."""
     mine = make_trajectories(count, seed)[part::parts]
     client = ExperienceClient(url, TOKEN, batch_size=batch, wire_format=wire)
     client.control(0)
     sent.put("ready")
     go.wait()
+    started = time.perf_counter()
     acked = client.send(mine, timeout_s=300)
+    finished = time.perf_counter()
     client.close()
-    sent.put((acked, client.stats.bytes_sent))
+    sent.put((acked, client.stats.bytes_sent, started, finished))
 
 
-def measure_stream(count: int, seed: int, batch: int, wire: str, clients: int) -> tuple[float, int]:
-    """Seconds for ``clients`` rollout processes to deliver ``count`` trajectories into the
-    trainer's buffer (server in this process, as in the trainer); bytes sent."""
+def measure_stream(
+    count: int, seed: int, batch: int, wire: str, clients: int
+) -> tuple[float, int, float]:
+    """Seconds from the first rollout's first encode to the last ack, with ``clients`` rollout
+    processes delivering ``count`` trajectories into the trainer's buffer (server in this
+    process, as in the trainer); bytes sent; seconds including the start signal's and the
+    result queue's process wake-ups (harness, not ingest; the floor has neither)."""
     context = mp.get_context("spawn")
     go, sent = context.Event(), context.Queue()
     buffer = ExperienceBuffer(capacity=count + 1)
@@ -142,22 +160,26 @@ def measure_stream(count: int, seed: int, batch: int, wire: str, clients: int) -
         start = time.perf_counter()
         go.set()
         answers = [sent.get(timeout=300) for _ in processes]
-        elapsed = time.perf_counter() - start
+        wall = time.perf_counter() - start
         for process in processes:
             process.join()
-    acked = sum(a for a, _ in answers)
+    acked = sum(a[0] for a in answers)
     if acked != count or len(buffer) != count:
         raise RuntimeError(f"{wire}: {acked} acked, {len(buffer)} buffered")
-    return elapsed, sum(b for _, b in answers)
+    window = max(a[3] for a in answers) - min(a[2] for a in answers)
+    return window, sum(a[1] for a in answers), wall
 
 
 def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
-    samples: dict[str, list[tuple[float, int]]] = {m: [] for m in MODES}
-    codec: dict[str, list[float]] = {"encode_s": [], "decode_s": []}
+    samples: dict[str, list[tuple[float, int, float]]] = {m: [] for m in MODES}
+    codec: dict[str, list[float]] = {"build_s": [], "encode_s": [], "decode_s": []}
     tokens = 0
     order = list(MODES)
     for r in range(repeat):
-        trajectories = make_trajectories(count, seed=r)
+        rows = engine_rows(count, seed=r)
+        start = time.perf_counter()
+        trajectories = [Trajectory(**row) for row in rows]
+        codec["build_s"].append(time.perf_counter() - start)
         tokens = tokens_of(trajectories)
         batches = [trajectories[i : i + batch] for i in range(0, count, batch)]
         start = time.perf_counter()
@@ -170,16 +192,20 @@ def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
         random.Random(r).shuffle(order)
         for mode in order:
             if mode == "floor":
-                samples[mode].append((measure_floor(bodies), sum(len(b) for b in bodies)))
+                seconds = measure_floor(bodies)
+                samples[mode].append((seconds, sum(len(b) for b in bodies), seconds))
             else:
                 samples[mode].append(measure_stream(count, r, batch, mode, clients))
-        print(f"repeat {r + 1}/{repeat} done", flush=True)
+        took = ", ".join(f"{m} {samples[m][-1][0] * 1000:.1f} ms" for m in MODES)
+        print(f"repeat {r + 1}/{repeat} ({' -> '.join(order)}): {took}", flush=True)
     rows = {}
     for mode, runs in samples.items():
-        seconds = statistics.median(s for s, _ in runs)
-        wire_bytes = statistics.median(b for _, b in runs)
+        seconds = statistics.median(s for s, _, _ in runs)
+        wire_bytes = statistics.median(b for _, b, _ in runs)
         rows[mode] = {
             "seconds": seconds,
+            "seconds_incl_process_sync": statistics.median(w for _, _, w in runs),
+            "seconds_each": [round(s, 6) for s, _, _ in runs],
             "wire_mb": wire_bytes / 1e6,
             "mb_per_s": wire_bytes / 1e6 / seconds,
             "mtokens_per_s": tokens / 1e6 / seconds,
@@ -195,6 +221,7 @@ def run(repeat: int, count: int, batch: int, clients: int) -> dict[str, Any]:
         "tokens": tokens,
         "rows": rows,
         "codec_binary": {
+            "rollout_build_mtokens_per_s": tokens / 1e6 / statistics.median(codec["build_s"]),
             "encode_mtokens_per_s": tokens / 1e6 / statistics.median(codec["encode_s"]),
             "decode_mtokens_per_s": tokens / 1e6 / statistics.median(codec["decode_s"]),
         },
@@ -213,19 +240,21 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['load_before']} -> {result['load_after']}"
     )
     print(
-        f"{'mode':<7} {'wire MB':>8} {'s':>7} {'MB/s':>8} {'Mtok/s':>7} {'vs floor':>9} "
-        f"{'vs json':>8}"
+        f"{'mode':<7} {'wire MB':>8} {'s':>7} {'s+sync':>7} {'MB/s':>8} {'Mtok/s':>7} "
+        f"{'vs floor':>9} {'vs json':>8}"
     )
     for mode, row in result["rows"].items():
         print(
-            f"{mode:<7} {row['wire_mb']:>8.1f} {row['seconds']:>7.3f} {row['mb_per_s']:>8.1f} "
+            f"{mode:<7} {row['wire_mb']:>8.1f} {row['seconds']:>7.3f} "
+            f"{row['seconds_incl_process_sync']:>7.3f} {row['mb_per_s']:>8.1f} "
             f"{row['mtokens_per_s']:>7.2f} {row['tokens_vs_floor']:>8.3f}x "
             f"{row['tokens_vs_json']:>7.1f}x"
         )
     codec = result["codec_binary"]
     print(
         f"binary codec alone: encode {codec['encode_mtokens_per_s']:.1f} Mtok/s, "
-        f"decode {codec['decode_mtokens_per_s']:.1f} Mtok/s"
+        f"decode {codec['decode_mtokens_per_s']:.1f} Mtok/s; rollout building Trajectory "
+        f"arrays from engine lists {codec['rollout_build_mtokens_per_s']:.1f} Mtok/s"
     )
 
 

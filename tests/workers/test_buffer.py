@@ -6,11 +6,17 @@ Aspects under test:
 - capacity drops the oldest (also when the newcomer is the oldest) and counts it;
 - a trajectory id is accepted once: redeliveries are dropped and counted, even after a take;
 - take_groups returns only whole groups, contiguous, oldest group first;
-- drop counts by reason; oldest_age; constructor validation.
+- drop counts by reason; oldest_age; constructor validation;
+- ``Trajectory`` holds its tokens as numpy arrays: lists are converted once (int32 ids; float32
+  log-probs when lossless, else float64, never rounded), arrays of the right dtype are kept
+  without a copy, equality compares values exactly, and ids outside int32 or non-integer ids
+  are errors naming the trajectory and field.
 """
 
+import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rljob_workers.buffer import DROP_REASONS, ExperienceBuffer, Trajectory
@@ -207,3 +213,68 @@ def test_buffer_bound_zero_keeps_current_version_and_hold_rule_agrees() -> None:
     assert buffer.dropped["stale_version"] == 1
     # the same rule for a rollout: on the current version it generates, one behind it holds
     assert not must_hold(5, 5, 0) and must_hold(5, 4, 0)
+
+
+def test_trajectory_lists_become_int32_and_float64_arrays() -> None:
+    t = Trajectory("a", 0, 0.0, [1, 2], [3, 151_000], [-0.5, -1.0 / 3.0], 1.0, "g")
+
+    assert t.prompt_ids.dtype == np.int32 and t.response_ids.dtype == np.int32
+    assert t.behaviour_logprobs.dtype == np.float64
+    assert t.response_ids.tolist() == [3, 151_000]
+    assert t.behaviour_logprobs.tolist() == [-0.5, -1.0 / 3.0]
+
+
+def test_trajectory_float32_exact_logprob_list_stored_as_float32() -> None:
+    sampled = [float(np.float32(-1.0 / 3.0)), -0.5, 0.0]
+
+    t = Trajectory("a", 0, 0.0, [1], [2, 3, 4], sampled, 1.0, "g")
+
+    assert t.behaviour_logprobs.dtype == np.float32
+    assert t.behaviour_logprobs.tolist() == sampled
+
+
+def test_trajectory_arrays_of_wire_dtypes_kept_without_copy() -> None:
+    ids = np.array([5, 6], dtype=np.int32)
+    logprobs = np.array([-0.25, -2.0], dtype=np.float32)
+
+    t = Trajectory("a", 0, 0.0, ids, ids, logprobs, 1.0, "g")
+
+    assert t.prompt_ids is ids and t.response_ids is ids and t.behaviour_logprobs is logprobs
+
+
+def test_trajectory_empty_response_is_an_empty_int32_array() -> None:
+    t = Trajectory("a", 0, 0.0, [1], [], [], 0.0, "g")
+
+    assert t.response_ids.dtype == np.int32 and len(t.response_ids) == 0
+    assert len(t.behaviour_logprobs) == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("response_ids", [1, 1 << 40], "token id 1099511627776 beyond int32"),
+        ("prompt_ids", [5, -(1 << 31) - 1], "token id -2147483649 beyond int32"),
+        ("prompt_ids", [1.5], "expected integer token ids"),
+        ("response_ids", [[1, 2]], "expected one row"),
+        ("behaviour_logprobs", ["x"], "expected a sequence of numbers"),
+    ],
+)
+def test_trajectory_bad_tokens_error_names_trajectory_and_field(field, value, message) -> None:
+    fields = {"prompt_ids": [1], "response_ids": [2], "behaviour_logprobs": [-1.0]}
+    fields[field] = value
+
+    with pytest.raises(ValueError, match=f"trajectory 'bad' field '{field}': {message}"):
+        Trajectory("bad", 0, 0.0, reward=0.0, group_id="g", **fields)
+
+
+def test_trajectory_equality_compares_values_exactly() -> None:
+    lists = Trajectory("a", 1, 2.0, [1, 2], [3], [-0.5], 1.0, "g", {"k": 1})
+    arrays = Trajectory(
+        "a", 1, 2.0, np.array([1, 2], np.int32), np.array([3], np.int32),
+        np.array([-0.5], np.float32), 1.0, "g", {"k": 1},
+    )  # fmt: skip
+    off_by_ulp = dataclasses.replace(lists, behaviour_logprobs=[np.nextafter(-0.5, 0.0)])
+
+    assert lists == arrays
+    assert lists != off_by_ulp and lists != dataclasses.replace(lists, info={"k": 2})
+    assert len({lists, arrays}) == 2  # hashable by identity, as a buffer entry

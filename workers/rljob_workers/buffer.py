@@ -19,10 +19,29 @@ A trajectory at exactly the staleness or age limit is kept.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DROP_REASONS", "ExperienceBuffer", "Trajectory", "is_too_stale"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "DROP_REASONS",
+    "ExperienceBuffer",
+    "LogProbs",
+    "TokenIds",
+    "Trajectory",
+    "as_logprobs",
+    "as_token_ids",
+    "is_too_stale",
+]
+
+TokenIds = npt.NDArray[np.int32]
+"""Token ids as a 1-D int32 array (every vocabulary fits; the wire carries int32)."""
+LogProbs = npt.NDArray[np.float32] | npt.NDArray[np.float64]
+"""Log-probs as a 1-D float array: float32 when lossless (vLLM's are), else float64."""
+_INT32 = np.iinfo(np.int32)
 
 DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate")
 
@@ -36,23 +55,121 @@ def is_too_stale(behind: int, max_versions: int | None) -> bool:
     return max_versions is not None and behind > max_versions
 
 
-@dataclass(frozen=True)
+def as_token_ids(values: Sequence[int] | npt.NDArray[Any], where: str) -> TokenIds:
+    """``values`` as a 1-D int32 array, without a copy when it already is one.
+
+    ``ValueError`` names ``where`` for a value outside int32, a non-integer or a wrong shape.
+    """
+    if isinstance(values, np.ndarray) and values.dtype == np.int32:
+        array: npt.NDArray[Any] = values
+    else:
+        try:
+            array = np.asarray(values)
+        except (OverflowError, ValueError, TypeError) as err:
+            raise ValueError(f"{where}: expected a sequence of token ids ({err})") from None
+        if array.size == 0:
+            array = array.astype(np.int32)
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"{where}: expected integer token ids, got dtype {array.dtype}")
+        low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+        if low < _INT32.min or high > _INT32.max:
+            bad = low if low < _INT32.min else high
+            raise ValueError(f"{where}: token id {bad} beyond int32 (every vocabulary fits)")
+        array = array.astype(np.int32, copy=False)
+    if array.ndim != 1:
+        raise ValueError(f"{where}: expected one row of token ids, got shape {array.shape}")
+    return array
+
+
+def as_logprobs(values: Sequence[float] | npt.NDArray[Any], where: str) -> LogProbs:
+    """``values`` as a 1-D float array, never rounded: float32 and float64 arrays are kept as
+    they are; anything else (a list from an engine or JSON) becomes float32 when every value
+    survives float32 exactly (vLLM's log-probs do: half the memory, and what the binary wire
+    format sends without another look), else float64."""
+    if isinstance(values, np.ndarray) and values.dtype in (np.float32, np.float64):
+        array: npt.NDArray[Any] = values
+    else:
+        try:
+            wide = np.asarray(values, dtype=np.float64)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{where}: expected a sequence of numbers ({err})") from None
+        narrow = wide.astype(np.float32)
+        array = narrow if np.array_equal(narrow, wide) else wide
+    if array.ndim != 1:
+        raise ValueError(f"{where}: expected one row of log-probs, got shape {array.shape}")
+    return array
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class Trajectory:
     """One sampled response with what the trainer needs to learn from it.
 
     ``created_at`` is in seconds on the clock the caller passes as ``now``. Samples answering
     the same prompt share a ``group_id`` (a GRPO group).
+
+    The token arrays are numpy arrays (``TokenIds``, ``LogProbs``, see ``as_token_ids`` and
+    ``as_logprobs``): sequences given to the constructor are converted once, int32 and float
+    arrays are kept as they are (the binary wire format decodes straight into them), so nothing
+    on the ingest path walks the tokens in Python. Treat them as read-only. Equality compares
+    values (log-probs exactly).
     """
 
     id: str
     policy_version: int
     created_at: float
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behaviour_logprobs: list[float]
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    behaviour_logprobs: LogProbs
     reward: float
     group_id: str
     info: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        id: str,
+        policy_version: int,
+        created_at: float,
+        prompt_ids: Sequence[int] | npt.NDArray[Any],
+        response_ids: Sequence[int] | npt.NDArray[Any],
+        behaviour_logprobs: Sequence[float] | npt.NDArray[Any],
+        reward: float,
+        group_id: str,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        where = f"trajectory {id!r} field"
+        fields = {
+            "id": id,
+            "policy_version": policy_version,
+            "created_at": created_at,
+            "prompt_ids": as_token_ids(prompt_ids, f"{where} 'prompt_ids'"),
+            "response_ids": as_token_ids(response_ids, f"{where} 'response_ids'"),
+            "behaviour_logprobs": as_logprobs(behaviour_logprobs, f"{where} 'behaviour_logprobs'"),
+            "reward": reward,
+            "group_id": group_id,
+            "info": {} if info is None else info,
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return (
+            (self.id, self.policy_version, self.created_at, self.reward, self.group_id, self.info)
+            == (
+                other.id,
+                other.policy_version,
+                other.created_at,
+                other.reward,
+                other.group_id,
+                other.info,
+            )
+            and np.array_equal(self.prompt_ids, other.prompt_ids)
+            and np.array_equal(self.response_ids, other.response_ids)
+            and np.array_equal(self.behaviour_logprobs, other.behaviour_logprobs)
+        )
+
+    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True)

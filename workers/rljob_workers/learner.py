@@ -53,6 +53,8 @@ from rljob_workers.algos import (
 from rljob_workers.config import AlgorithmConfig, GradientCompressionConfig, WorkerConfig
 from rljob_workers.ddp import global_sum, wrap_ddp
 from rljob_workers.policy import (
+    FloatRow,
+    IdRow,
     PolicyModel,
     SequenceBatch,
     ValueModel,
@@ -93,9 +95,9 @@ class Experience:
     tempered sampling distribution); ``scores`` what the advantages are computed from.
     """
 
-    prompt_ids: Sequence[Sequence[int]]
-    response_ids: Sequence[Sequence[int]]
-    behaviour_logprobs: Sequence[Sequence[float]]
+    prompt_ids: Sequence[IdRow]
+    response_ids: Sequence[IdRow]
+    behaviour_logprobs: Sequence[FloatRow]
     scores: Sequence[float]
 
     def __len__(self) -> int:

@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 
 from rljob_workers.algos import entropy_from_logits
 
 __all__ = [
+    "FloatRow",
+    "IdRow",
     "PolicyModel",
     "SequenceBatch",
     "ValueModel",
@@ -28,6 +32,11 @@ __all__ = [
     "pad_rows",
     "pad_token_id",
 ]
+
+IdRow = Sequence[int] | npt.NDArray[np.integer[Any]]
+"""One row of token ids: a list (an engine's output) or an integer array (a ``Trajectory``)."""
+FloatRow = Sequence[float] | npt.NDArray[np.floating[Any]]
+"""One row of log-probs: a list or a float array."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -71,8 +80,8 @@ class SequenceBatch:
 
 
 def build_sequence_batch(
-    prompt_ids: Sequence[Sequence[int]],
-    response_ids: Sequence[Sequence[int]],
+    prompt_ids: Sequence[IdRow],
+    response_ids: Sequence[IdRow],
     *,
     pad_id: int,
     device: torch.device | str = "cpu",
@@ -80,7 +89,8 @@ def build_sequence_batch(
     """Pad ``B`` prompts (left) and their responses (right) into one ``SequenceBatch``.
 
     An empty response is allowed (its row of ``response_mask`` is all 0); at least one response
-    token is laid out (``T >= 1``) so shapes stay valid.
+    token is laid out (``T >= 1``) so shapes stay valid. Rows are copied into preallocated
+    arrays whole (lists and arrays alike), never token by token in Python.
     """
     if len(prompt_ids) != len(response_ids) or not prompt_ids:
         raise ValueError(
@@ -91,32 +101,34 @@ def build_sequence_batch(
         raise ValueError("every prompt needs at least one token (e.g. the BOS token)")
     width_p = max(len(p) for p in prompt_ids)
     width_t = max(1, max(len(r) for r in response_ids))
-    rows, masks, response_masks = [], [], []
-    for prompt, response in zip(prompt_ids, response_ids, strict=True):
-        left = width_p - len(prompt)
-        right = width_t - len(response)
-        rows.append([pad_id] * left + list(prompt) + list(response) + [pad_id] * right)
-        masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
-        response_masks.append([1] * len(response) + [0] * right)
-    attention_mask = torch.tensor(masks, dtype=torch.long, device=device)
+    rows = len(prompt_ids)
+    input_ids = np.full((rows, width_p + width_t), pad_id, dtype=np.int64)
+    attention = np.zeros((rows, width_p + width_t), dtype=np.int64)
+    response_mask = np.zeros((rows, width_t), dtype=np.float32)
+    for row, (prompt, response) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        left, right = width_p - len(prompt), width_p + len(response)
+        input_ids[row, left:width_p] = prompt
+        input_ids[row, width_p:right] = response
+        attention[row, left:right] = 1
+        response_mask[row, : len(response)] = 1.0
+    attention_mask = torch.from_numpy(attention).to(device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return SequenceBatch(
-        input_ids=torch.tensor(rows, dtype=torch.long, device=device),
+        input_ids=torch.from_numpy(input_ids).to(device),
         attention_mask=attention_mask,
         position_ids=position_ids,
-        response_mask=torch.tensor(response_masks, dtype=torch.float32, device=device),
+        response_mask=torch.from_numpy(response_mask).to(device),
         prompt_width=width_p,
     )
 
 
-def pad_rows(rows: Sequence[Sequence[float]], width: int) -> Tensor:
-    """``[B, width]`` float rows, right-padded with zeros (longer rows are cut at ``width``)."""
-    out = torch.zeros(len(rows), width)
+def pad_rows(rows: Sequence[FloatRow], width: int) -> Tensor:
+    """``[B, width]`` float32 rows, right-padded with zeros (longer rows are cut at ``width``)."""
+    out = np.zeros((len(rows), width), dtype=np.float32)
     for i, row in enumerate(rows):
-        clipped = list(row[:width])
-        if clipped:
-            out[i, : len(clipped)] = torch.tensor(clipped, dtype=torch.float32)
-    return out
+        clipped = row[:width]
+        out[i, : len(clipped)] = clipped
+    return torch.from_numpy(out)
 
 
 def pad_token_id(tokenizer_path: str) -> int:

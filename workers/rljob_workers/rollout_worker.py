@@ -261,9 +261,9 @@ class RolloutWorker:
                 id=f"{group_id}-{k}",
                 policy_version=version,
                 created_at=created,
-                prompt_ids=list(c.prompt_ids),
-                response_ids=list(c.token_ids),
-                behaviour_logprobs=list(c.logprobs),
+                prompt_ids=c.prompt_ids,
+                response_ids=c.token_ids,
+                behaviour_logprobs=c.logprobs,
                 reward=score,
                 group_id=group_id,
                 info={

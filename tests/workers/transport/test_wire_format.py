@@ -3,7 +3,9 @@
 Aspects under test:
 - the binary codec: every field round-trips (log-probs bit-exact whether or not they fit in
   float32; long trajectories); ids beyond int32, truncated frames and bad magic are errors that
-  name the frame or field;
+  name the frame or field; decoded arrays are int32/float arrays that own their memory (the
+  receive buffer can be reused); the bytes are the previous release's v1 frames, byte for byte,
+  so a previous-release binary rollout and a new trainer (and the reverse) still talk;
 - negotiation: a new client starts on JSON lines and switches to binary once the server announces
   it; an old JSON-only client (no format awareness) still delivers to a new server; a new client
   keeps JSON lines with a JSON-only server and falls back when a trainer restarts as an older
@@ -16,7 +18,9 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import struct
 import time
+from array import array
 
 import numpy
 import pytest
@@ -60,6 +64,30 @@ def long_trajectory(index: int, tokens: int, *, float32_logprobs: bool) -> Traje
         group_id="g",
         info={"replica": 1, "finish": "length"},
     )
+
+
+def previous_release_v1_body(trajectories: list[Trajectory]) -> bytes:
+    """A binary batch written the way the previous release's rollout wrote it: Python lists
+    packed with ``array`` and ``struct`` (little-endian host), independent of today's codec."""
+    parts = [b"RLT1", struct.pack("<I", len(trajectories))]
+    for t in trajectories:
+        meta = {
+            "id": t.id,
+            "policy_version": t.policy_version,
+            "created_at": t.created_at,
+            "reward": t.reward,
+            "group_id": t.group_id,
+            "info": t.info,
+        }
+        meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+        logprobs = t.behaviour_logprobs.tolist()
+        narrow = array("f", logprobs)
+        width, packed = (4, narrow) if narrow.tolist() == logprobs else (8, array("d", logprobs))
+        n_p, n_r, n_l = len(t.prompt_ids), len(t.response_ids), len(logprobs)
+        parts += [struct.pack("<IIIIB3x", len(meta_bytes), n_p, n_r, n_l, width), meta_bytes]
+        parts += [array("i", t.prompt_ids.tolist()).tobytes()]
+        parts += [array("i", t.response_ids.tolist()).tobytes(), packed.tobytes()]
+    return b"".join(parts)
 
 
 class OldJsonOnlyServer:
@@ -108,6 +136,40 @@ def test_binary_codec_long_trajectories_round_trip_bit_exact(float32_logprobs) -
     assert len(body) < len(encode_trajectories(sent)) / 2
 
 
+def test_binary_codec_decoded_arrays_own_their_memory_receive_buffer_reusable() -> None:
+    sent = [long_trajectory(i, 333, float32_logprobs=i == 0) for i in range(2)]
+    receive_buffer = bytearray(encode_binary(sent))
+
+    received = decode_binary(memoryview(receive_buffer))
+    receive_buffer[:] = bytes(len(receive_buffer))
+
+    assert received == sent
+    for t in received:
+        for values in (t.prompt_ids, t.response_ids, t.behaviour_logprobs):
+            assert values.flags.owndata and values.flags.aligned
+    assert [t.behaviour_logprobs.dtype for t in received] == [numpy.float32, numpy.float64]
+    assert received[0].prompt_ids.dtype == numpy.int32
+
+
+def test_binary_codec_writes_previous_release_v1_bytes_exactly() -> None:
+    sent = [long_trajectory(i, 50 * i, float32_logprobs=i % 2 == 0) for i in range(4)]
+    sent.append(make_trajectory(3))
+
+    assert encode_binary(sent) == previous_release_v1_body(sent)
+
+
+def test_server_previous_release_binary_rollout_still_delivers_intact() -> None:
+    buffer = ExperienceBuffer(capacity=100)
+    sent = [long_trajectory(i, 200, float32_logprobs=i % 2 == 0) for i in range(5)]
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": BINARY_CONTENT_TYPE}
+    with ExperienceServer(TOKEN, buffer) as server:
+        status, _, payload = post(server.url, previous_release_v1_body(sent), headers)
+        received = take_all(server, buffer)
+
+    assert status == 200 and json.loads(payload)["accepted"] == 5
+    assert sorted(received, key=lambda t: t.id) == sent and server.stats.binary_batches == 1
+
+
 def test_binary_codec_float32_logprobs_travel_in_four_bytes() -> None:
     narrow = long_trajectory(0, 1000, float32_logprobs=True)
     wide = long_trajectory(0, 1000, float32_logprobs=False)
@@ -115,12 +177,13 @@ def test_binary_codec_float32_logprobs_travel_in_four_bytes() -> None:
     assert len(encode_binary([wide])) - len(encode_binary([narrow])) == 4 * 1000
 
 
-def test_binary_codec_token_id_beyond_int32_names_trajectory_and_field() -> None:
-    bad = make_trajectory(0)
-    bad.response_ids[0] = 1 << 40
+def test_json_codec_token_id_beyond_int32_names_line_trajectory_and_field() -> None:
+    line = json.loads(encode_trajectories([make_trajectory(0)]))
+    line["response_ids"][0] = 1 << 40
+    body = (json.dumps(line) + "\n").encode()
 
-    with pytest.raises(ValueError, match="'r0-0' field 'response_ids'"):
-        encode_binary([bad])
+    with pytest.raises(ValueError, match="line 1: trajectory 'r0-0' field 'response_ids'"):
+        decode_trajectories(body)
 
 
 @pytest.mark.parametrize(

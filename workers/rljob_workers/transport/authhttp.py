@@ -105,7 +105,19 @@ class _Handler(BaseHTTPRequestHandler):
     # Headers and body go out in two writes; with Nagle on, the body waits for the client's
     # delayed ACK of the headers (~40 ms on Linux), a stall on every keep-alive request.
     disable_nagle_algorithm = True
+    # Buffered answers: the status line, headers and a small body leave in one send() when
+    # ``handle_one_request`` flushes, instead of one send() per write. Each send() releases the
+    # GIL and must win it back from the threads serving other connections, which costs up to
+    # the 5 ms switch interval on a busy trainer. Writes larger than the buffer (weight chunks)
+    # still go straight to the socket.
+    wbufsize = 1 << 16
     server: _ThreadingServer
+
+    def handle_expect_100(self) -> bool:
+        """Send ``100 Continue`` now, not at the answer's flush (curl waits for it)."""
+        go_on = super().handle_expect_100()
+        self.wfile.flush()
+        return go_on
 
     def do_GET(self) -> None:
         self._dispatch("GET")

@@ -40,6 +40,12 @@ Every length is in the fixed frame header, so a reader knows each frame's size b
 it. Log-probs travel as float32 (``lp_width`` 4) when every value survives the round trip
 through float32 exactly (vLLM's do) and as float64 (8) otherwise, so they arrive bit-identical
 either way. Token ids must fit in int32 (every vocabulary does).
+
+Neither side walks the tokens in Python: ``Trajectory`` holds numpy arrays of the wire's dtypes
+(int32 ids; float32 log-probs when lossless), so encoding writes each array's memory as it is
+and decoding copies each array once out of the body into its own aligned array. The copy is
+deliberate: views into the request body would save one memcpy but keep a whole batch's body
+alive for as long as any one of its trajectories waits in the buffer.
 """
 
 from __future__ import annotations
@@ -47,14 +53,13 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from rljob_workers.buffer import Trajectory
+from rljob_workers.buffer import LogProbs, Trajectory
 
 __all__ = [
     "BINARY_CONTENT_TYPE",
@@ -78,7 +83,6 @@ FORMATS_HEADER = "X-RLJob-Experience-Formats"
 _MAGIC = b"RLT1"
 _COUNT = struct.Struct("<I")
 _FRAME = struct.Struct("<IIIIB3x")
-_LITTLE = sys.byteorder == "little"
 
 
 def trajectory_to_dict(trajectory: Trajectory) -> dict[str, Any]:
@@ -87,9 +91,9 @@ def trajectory_to_dict(trajectory: Trajectory) -> dict[str, Any]:
         "id": trajectory.id,
         "policy_version": trajectory.policy_version,
         "created_at": trajectory.created_at,
-        "prompt_ids": trajectory.prompt_ids,
-        "response_ids": trajectory.response_ids,
-        "behaviour_logprobs": trajectory.behaviour_logprobs,
+        "prompt_ids": trajectory.prompt_ids.tolist(),
+        "response_ids": trajectory.response_ids.tolist(),
+        "behaviour_logprobs": trajectory.behaviour_logprobs.tolist(),
         "reward": trajectory.reward,
         "group_id": trajectory.group_id,
         "info": trajectory.info,
@@ -117,7 +121,7 @@ def encode_batch(trajectories: Sequence[Trajectory], content_type: str) -> bytes
     return encode_trajectories(trajectories)
 
 
-def decode_batch(body: bytes, content_type: str | None) -> list[Trajectory]:
+def decode_batch(body: bytes | bytearray, content_type: str | None) -> list[Trajectory]:
     """Parse a batch sent as ``content_type``; ``ValueError`` for an unknown type or bad body."""
     kind = media_type(content_type)
     if kind == BINARY_CONTENT_TYPE:
@@ -131,11 +135,9 @@ def decode_batch(body: bytes, content_type: str | None) -> list[Trajectory]:
 
 def encode_binary(trajectories: Sequence[Trajectory]) -> bytes:
     """Serialise trajectories as binary frames (see the module docstring)."""
-    parts: list[bytes] = [_MAGIC, _COUNT.pack(len(trajectories))]
+    parts: list[bytes | memoryview] = [_MAGIC, _COUNT.pack(len(trajectories))]
     for trajectory in trajectories:
         meta = json.dumps(_meta(trajectory), separators=(",", ":")).encode()
-        prompt = _int32_bytes(trajectory.prompt_ids, trajectory.id, "prompt_ids")
-        response = _int32_bytes(trajectory.response_ids, trajectory.id, "response_ids")
         width, logprobs = _logprob_bytes(trajectory.behaviour_logprobs)
         parts.append(
             _FRAME.pack(
@@ -146,13 +148,23 @@ def encode_binary(trajectories: Sequence[Trajectory]) -> bytes:
                 width,
             )
         )
-        parts += [meta, prompt, response, logprobs]
+        parts += [
+            meta,
+            _raw(trajectory.prompt_ids, "<i4"),
+            _raw(trajectory.response_ids, "<i4"),
+            logprobs,
+        ]
     return b"".join(parts)
 
 
-def decode_binary(body: bytes) -> list[Trajectory]:
-    """Parse a binary batch; ``ValueError`` names the 1-based frame and what is wrong."""
-    view = memoryview(body)
+def decode_binary(body: bytes | bytearray | memoryview) -> list[Trajectory]:
+    """Parse a binary batch; ``ValueError`` names the 1-based frame and what is wrong.
+
+    Each array is one copy out of ``body`` into its own aligned numpy array (no per-token
+    Python work), so ``body`` may be a reused receive buffer and a kept trajectory pins only
+    its own memory, never the whole batch it came in.
+    """
+    view = memoryview(body).cast("B")
     if bytes(view[:4]) != _MAGIC or len(view) < 8:
         raise ValueError(f"binary batch: expected magic {_MAGIC!r} and a count")
     (count,) = _COUNT.unpack_from(view, 4)
@@ -179,25 +191,20 @@ def _meta(trajectory: Trajectory) -> dict[str, Any]:
     }
 
 
-def _int32_bytes(values: Sequence[int], trajectory_id: str, name: str) -> bytes:
-    try:
-        packed = array("i", values)
-    except (OverflowError, TypeError) as err:
-        raise ValueError(f"trajectory {trajectory_id!r} field {name!r}: {err}") from None
-    if not _LITTLE:
-        packed.byteswap()
-    return packed.tobytes()
+def _raw(values: npt.NDArray[Any], dtype: str) -> memoryview:
+    """The bytes of ``values`` as little-endian ``dtype``: a view, no copy, when they already
+    are (always on little-endian hosts, where the dtypes of ``Trajectory`` are the wire's)."""
+    array = np.ascontiguousarray(values, dtype=dtype)
+    return array.data.cast("B")
 
 
-def _logprob_bytes(values: Sequence[float]) -> tuple[int, bytes]:
-    packed = array("d", values)
-    if not _LITTLE:
-        packed.byteswap()
-    wide = np.frombuffer(packed, dtype="<f8")
-    narrow = wide.astype("<f4")
-    if np.array_equal(narrow.astype("<f8"), wide):
-        return 4, narrow.tobytes()
-    return 8, wide.tobytes()
+def _logprob_bytes(values: LogProbs) -> tuple[int, memoryview]:
+    if values.dtype == np.float32:
+        return 4, _raw(values, "<f4")
+    narrow = values.astype("<f4")
+    if np.array_equal(narrow, values):
+        return 4, narrow.data.cast("B")
+    return 8, _raw(values, "<f8")
 
 
 def _decode_frame(view: memoryview, offset: int) -> tuple[Trajectory, int]:
@@ -208,24 +215,25 @@ def _decode_frame(view: memoryview, offset: int) -> tuple[Trajectory, int]:
     end = start + meta_len + 4 * (n_prompt + n_response) + width * n_logprobs
     if end > len(view):
         raise ValueError(f"frame needs {end - offset} bytes, {len(view) - offset} left")
-    meta = json.loads(bytes(view[start : start + meta_len]))
-    cursor = start + meta_len
-    prompt, cursor = _take(view, cursor, "i", n_prompt)
-    response, cursor = _take(view, cursor, "i", n_response)
-    logprobs, cursor = _take(view, cursor, "f" if width == 4 else "d", n_logprobs)
+    meta = json.loads(view[start : start + meta_len].tobytes())
     if not isinstance(meta, dict):
         raise ValueError("meta: expected a JSON object")
-    meta.update(prompt_ids=prompt, response_ids=response, behaviour_logprobs=logprobs)
+    cursor = start + meta_len
+    prompt, cursor = _take(view, cursor, "<i4", n_prompt)
+    response, cursor = _take(view, cursor, "<i4", n_response)
+    logprobs, cursor = _take(view, cursor, "<f4" if width == 4 else "<f8", n_logprobs)
+    meta.update(
+        prompt_ids=prompt.astype(np.int32, copy=False),
+        response_ids=response.astype(np.int32, copy=False),
+        behaviour_logprobs=logprobs.astype(logprobs.dtype.newbyteorder("="), copy=False),
+    )
     return _trusted_arrays(meta), cursor
 
 
-def _take(view: memoryview, offset: int, code: str, count: int) -> tuple[list[Any], int]:
-    values = array(code)
-    end = offset + values.itemsize * count
-    values.frombytes(view[offset:end])
-    if not _LITTLE:
-        values.byteswap()
-    return values.tolist(), end
+def _take(view: memoryview, offset: int, dtype: str, count: int) -> tuple[npt.NDArray[Any], int]:
+    """``count`` values of ``dtype`` at ``offset``, copied into a fresh aligned array."""
+    values = np.frombuffer(view, dtype=dtype, count=count, offset=offset).copy()
+    return values, offset + values.nbytes
 
 
 def _trusted_arrays(obj: dict[str, Any]) -> Trajectory:
@@ -243,7 +251,7 @@ def _trusted_arrays(obj: dict[str, Any]) -> Trajectory:
     )
 
 
-def decode_trajectories(body: bytes) -> list[Trajectory]:
+def decode_trajectories(body: bytes | bytearray) -> list[Trajectory]:
     """Parse a JSON-lines batch; ``ValueError`` names the 1-based line and the bad field."""
     trajectories = []
     for number, line in enumerate(body.decode().splitlines(), start=1):
