@@ -123,9 +123,9 @@ def sync_once(
     fetched = time.perf_counter()
     if received is None or received.version != version:
         raise RuntimeError(f"version {version} did not arrive")
-    with torch.no_grad():
-        for name, tensor in received.named_tensors():
-            target[name].copy_(tensor)
+    with torch.no_grad():  # as HFEngine.load_weights: decompressed straight into each parameter
+        for name in received.weights.names():
+            received.weights.decode_into(name, target[name])
     loaded = time.perf_counter()
     return {
         "publish_s": published - start,

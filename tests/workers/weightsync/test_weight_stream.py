@@ -10,7 +10,12 @@ Aspects under test:
   wire (the broadcast path uses the latter; both must agree);
 - publish takes a snapshot: updating the trainer's tensors after ``publish`` does not change
   what a rollout fetches;
-- a payload cut short is an error naming where it ended, never a partial model.
+- a payload cut short is an error naming where it ended, never a partial model; over HTTP, a
+  body cut short by the server is a ``ConnectionError`` naming the tensor;
+- the chunked fp8 conversions agree with torch's casts across chunk boundaries (tensors of one
+  chunk, one element more, several chunks and a ragged tail), both ways;
+- ``decode_into`` decompresses into a destination of any float dtype (equal to decoding then
+  casting) and refuses a destination of another shape, naming the tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import socket
+import threading
 
 import pytest
 import torch
@@ -27,6 +34,7 @@ from torch import nn
 
 from rljob_workers.weightsync import WeightClient, WeightServer
 from rljob_workers.weightsync.codec import (
+    _CHUNK,
     _fp8_to_float32,
     build_payload,
     compress_state,
@@ -192,3 +200,60 @@ def test_weight_server_steady_publishing_alternates_two_snapshots() -> None:
 
     assert pointers[0] == pointers[2] and pointers[1] == pointers[3]
     assert pointers[0] != pointers[1]
+
+
+@pytest.mark.parametrize("numel", [_CHUNK, _CHUNK + 1, 3 * _CHUNK - 7])
+def test_fp8_chunked_conversions_across_chunk_boundaries_equal_torch_casts(numel) -> None:
+    torch.manual_seed(numel)
+    tensor = torch.randn(numel)
+    tensor[-1] = 7.0  # the extreme sits in the last, possibly one-element, chunk
+
+    wire, scales = compress_state({"w": tensor}, "fp8")
+    expected, scale = compress_tensor(tensor, "fp8")
+    decoded = decode_weights(build_payload(0, {"w": tensor}, "fp8").to_bytes())
+
+    assert scales["w"] == scale
+    assert torch.equal(wire["w"].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(decoded.tensors["w"], expected.float() * scale)
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_destination_equals_decoded_tensor_cast(compression, dtype) -> None:
+    sent = {"w": torch.randn(_CHUNK + 5, 3)}
+    decoded = decode_weights(build_payload(0, sent, compression).to_bytes())
+    target = torch.full((_CHUNK + 5, 3), float("nan"), dtype=dtype)
+
+    decoded.decode_into("w", target)
+
+    assert torch.equal(target, decoded.tensors["w"].to(dtype))
+
+
+def test_decode_into_other_shape_refused_naming_tensor() -> None:
+    decoded = decode_weights(build_payload(0, {"layer.w": torch.ones(4, 3)}, "fp8").to_bytes())
+
+    with pytest.raises(ValueError, match=r"'layer\.w' has shape \[4, 3\], its destination \[12\]"):
+        decoded.decode_into("layer.w", torch.empty(12))
+
+
+def test_weight_client_body_cut_short_by_server_names_the_tensor() -> None:
+    payload = build_payload(4, {"a": torch.ones(1000), "b": torch.ones(1000)}).to_bytes()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_truncated() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            conn.sendall(head + payload[: len(payload) - 100])
+
+    thread = threading.Thread(target=serve_truncated)
+    thread.start()
+    host, port = listener.getsockname()
+    client = WeightClient(f"http://{host}:{port}", TOKEN)
+    try:
+        with pytest.raises(ConnectionError, match="ended inside tensor 'b'"):
+            client.fetch_latest()
+    finally:
+        thread.join()
+        listener.close()

@@ -35,7 +35,8 @@ import math
 import struct
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -81,22 +82,66 @@ _SAFETENSORS_DTYPES = {
 }
 _TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 << 20
+# Elements per step of the chunked fp8 conversions: a 1 MB float32 scratch stays in cache.
+_CHUNK = 1 << 18
 ReadInto = Callable[[memoryview], int | None]
 
 
 @dataclass(frozen=True)
 class DecodedWeights:
-    """A received payload, decompressed: tensors in their original dtypes, on CPU."""
+    """A received payload: the wire tensors as they arrived, decompressed on use.
+
+    ``decode_into(name, target)`` decompresses one tensor straight into the receiver's own
+    tensor (an engine parameter) in cache-sized chunks: the conversion is the copy a load does
+    anyway, so a compressed payload costs no extra pass over the model. ``tensors`` (decoded
+    once, on first use) holds every tensor in its original dtype, on CPU.
+    """
 
     version: int
     compression: Compression
     published_at: float
-    tensors: dict[str, torch.Tensor]
+    wire: dict[str, torch.Tensor]
     wire_bytes: int
+    scales: dict[str, float] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    pool: TensorPool | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor in its original dtype (uncompressed ones are the wire tensors)."""
+        decoded = {}
+        for name, wire in self.wire.items():
+            dtype = self.dtypes.get(name, wire.dtype)
+            if name not in self.scales and dtype == wire.dtype:
+                decoded[name] = wire
+                continue
+            decoded[name] = _take(self.pool, name, wire.shape, dtype)
+            self.decode_into(name, decoded[name])
+        return decoded
+
+    def names(self) -> list[str]:
+        """Tensor names, sorted."""
+        return list(self.wire)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs, ready for a ``RolloutEngine.load_weights(version, pairs)``."""
         return list(self.tensors.items())
+
+    def decode_into(self, name: str, target: torch.Tensor) -> None:
+        """Write tensor ``name``, decompressed, into ``target`` (same shape, any float dtype)."""
+        wire = self.wire[name]
+        if target.shape != wire.shape:
+            raise ValueError(
+                f"weights: tensor {name!r} has shape {list(wire.shape)}, "
+                f"its destination {list(target.shape)}"
+            )
+        scale = self.scales.get(name)
+        if scale is None:
+            target.copy_(wire)
+        elif target.is_contiguous() and target.device.type == "cpu":
+            _fp8_decode_into(wire, scale, target, _take(self.pool, "#bits", [_CHUNK], torch.int32))
+        else:
+            target.copy_(_fp8_to_float32(wire, scale))
 
 
 def wire_dtype(dtype: torch.dtype, compression: Compression) -> torch.dtype:
@@ -223,16 +268,30 @@ def compress_state(
         if name not in scales:
             wire[name] = packed.copy_(source)
             continue
-        scratch = _take(pool, "#scratch", [max(1, source.numel())], torch.float32)
-        scaled = scratch[: source.numel()].view(source.shape)
-        if source.dtype == torch.float32:
-            torch.div(source, scales[name], out=scaled)
-        else:  # divide in float32, as compress_tensor does, not in the source's precision
-            scaled.copy_(source).div_(scales[name])
-        # No clamp: |x| <= amax puts x / scale within 448 * (1 + 2**-23), and the fp8 cast rounds
-        # everything below 464 to at most 448 (test_compress_state_fp8_bytes_equal_...).
-        wire[name] = packed.copy_(scaled)
+        scratch = _take(pool, "#scratch", [_CHUNK], torch.float32)
+        wire[name] = _fp8_encode_into(source, scales[name], packed, scratch)
     return wire, scales
+
+
+def _fp8_encode_into(
+    source: torch.Tensor, scale: float, packed: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
+    """``packed <- (source.float() / scale)`` cast to fp8, chunk by chunk through ``scratch``
+    (a float32 tensor of ``_CHUNK`` elements): memory is read once and written once.
+
+    No clamp: ``|x| <= amax`` puts ``x / scale`` within ``448 * (1 + 2**-23)``, and the fp8
+    cast rounds everything below 464 to at most 448 (test_compress_state_fp8_bytes_equal_...).
+    """
+    flat, out = source.reshape(-1), packed.view(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        piece = flat[start : start + _CHUNK]
+        scaled = scratch[: piece.numel()]
+        if piece.dtype == torch.float32:
+            torch.div(piece, scale, out=scaled)
+        else:  # divide in float32, as compress_tensor does, not in the source's precision
+            scaled.copy_(piece).div_(scale)
+        out[start : start + piece.numel()].copy_(scaled)
+    return packed
 
 
 def _fp8_scales(sources: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -336,19 +395,20 @@ def read_payload(
         raise ValueError(f"weights payload: unknown compression {compression!r}")
     dtypes = json.loads(metadata.get("rljob.dtypes", "{}"))
     scales = json.loads(metadata.get("rljob.scales", "{}"))
-    tensors: dict[str, torch.Tensor] = {}
+    wire: dict[str, torch.Tensor] = {}
     position = 0
     for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-        wire = _read_tensor(read_into, name, entry, position, pool)
+        wire[name] = _read_tensor(read_into, name, entry, position, pool)
         position = entry["data_offsets"][1]
-        dtype = _dtype(dtypes.get(name), wire.dtype)
-        tensors[name] = _decompress(wire, scales.get(name), dtype, pool, name)
     return DecodedWeights(
         version=int(metadata["rljob.version"]),
         compression=compression,
         published_at=float(metadata.get("rljob.published_at", "0")),
-        tensors=dict(sorted(tensors.items())),
+        wire=dict(sorted(wire.items())),
         wire_bytes=8 + header_len + position if wire_bytes is None else wire_bytes,
+        scales={name: float(scale) for name, scale in scales.items() if name in wire},
+        dtypes={name: _dtype(dtypes[name], wire[name].dtype) for name in dtypes if name in wire},
+        pool=pool,
     )
 
 
@@ -372,43 +432,43 @@ def _read_tensor(
     return tensor
 
 
-def _decompress(
-    wire: torch.Tensor,
-    scale: float | None,
-    dtype: torch.dtype,
-    pool: TensorPool | None = None,
-    name: str = "",
-) -> torch.Tensor:
-    if scale is None:
-        return wire if wire.dtype == dtype else _take(pool, name, wire.shape, dtype).copy_(wire)
-    out = _fp8_to_float32(wire, scale, _take(pool, name, wire.shape, torch.int32))
-    return out if dtype == torch.float32 else out.to(dtype)
-
-
 _FP8_SIGN_AND_BITS = 0x87F00000 - (1 << 32)  # int32 mask: bit 31 and bits 20..26
 
 
-def _fp8_to_float32(
-    wire: torch.Tensor, scale: float, bits: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``wire.float() * scale`` for float8_e4m3fn, bit-identical and ~5x faster on CPU.
+def _fp8_to_float32(wire: torch.Tensor, scale: float) -> torch.Tensor:
+    """``wire.float() * scale`` for float8_e4m3fn, bit-identical and ~5x faster on CPU."""
+    out = torch.empty(wire.shape, dtype=torch.float32)
+    _fp8_decode_into(wire, scale, out, torch.empty(_CHUNK, dtype=torch.int32))
+    return out
+
+
+def _fp8_decode_into(
+    wire: torch.Tensor, scale: float, target: torch.Tensor, bits: torch.Tensor
+) -> None:
+    """``target <- wire.float() * scale`` (``target`` contiguous, on CPU, any float dtype),
+    chunk by chunk through ``bits`` (an int32 tensor of ``_CHUNK`` elements, kept in cache).
 
     torch's fp8 -> fp32 cast is scalar code; this moves the bits with three in-place integer
     ops instead: the byte, sign-extended to int32 and shifted left 24 then arithmetically right
     4, has the sign in bit 31 and exponent+mantissa in bits 20..26 once the copies of the sign
     in bits 27..30 are masked off. That float32 is the fp8 value times 2**-120 (exact for normal
-    and subnormal values); one multiply by ``scale * 2**120`` restores it. ``bits`` is an
-    int32 tensor of ``wire``'s shape to write into. fp8 NaN (never produced by
-    ``compress_state``, whose values stay within 448) reads as +-480 * scale.
+    and subnormal values); one multiply by ``scale * 2**120``, written into ``target``, restores
+    it. fp8 NaN (never produced by ``compress_state``, whose values stay within 448) reads as
+    +-480 * scale.
     """
-    out = torch.empty(wire.shape, dtype=torch.int32) if bits is None else bits
-    out.copy_(wire.view(torch.int8))
-    out.bitwise_left_shift_(24).bitwise_right_shift_(4).bitwise_and_(_FP8_SIGN_AND_BITS)
-    values = out.view(torch.float32)
+    codes, out = wire.reshape(-1).view(torch.int8), target.view(-1)
     factor = scale * 2.0**120
-    if factor < 3.0e38:
-        return values.mul_(factor)
-    return values.mul_(2.0**120).mul_(scale)
+    for start in range(0, codes.numel(), _CHUNK):
+        piece = codes[start : start + _CHUNK]
+        chunk = bits[: piece.numel()]
+        chunk.copy_(piece)
+        chunk.bitwise_left_shift_(24).bitwise_right_shift_(4).bitwise_and_(_FP8_SIGN_AND_BITS)
+        values = chunk.view(torch.float32)
+        if factor >= 3.0e38:
+            values.mul_(2.0**120)
+        torch.mul(
+            values, factor if factor < 3.0e38 else scale, out=out[start : start + piece.numel()]
+        )
 
 
 def _fill(read_into: ReadInto, view: memoryview, what: str) -> None:
