@@ -15,7 +15,7 @@ Modes alternate within each repeat (the first two rounds warm up, not counted; t
 size runs once); medians reported.
 Writes bench/results/weightsync_bench.{json,png}.
 Usage: .venv/bin/python -m bench.weightsync_bench [--sizes 62M,250M,500M] [--repeat 3]
-       [--engines hf,vllm]
+       [--engines hf,vllm] [--threads N]
 """
 
 from __future__ import annotations
@@ -108,6 +108,27 @@ def loopback_floor(nbytes: int, chunk: int = 64 << 20) -> float:
     return elapsed
 
 
+def flat_memcpy(nbytes: int, chunk: int = 64 << 20) -> float:
+    """Seconds for one ``copy_`` pass over ``nbytes`` (64 MB pre-faulted buffers, reused as the
+    floor's are): what each copy a publish or a load must make costs at best."""
+    source = torch.ones(min(chunk, nbytes), dtype=torch.uint8)
+    sink = torch.zeros(min(chunk, nbytes), dtype=torch.uint8)
+    start = time.perf_counter()
+    for offset in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - offset)
+        sink[:size].copy_(source[:size])
+    return time.perf_counter() - start
+
+
+def floor_sample(raw_bytes: int) -> dict[str, float]:
+    """The loopback floor and a memcpy of the same bytes."""
+    return {
+        "total_s": loopback_floor(raw_bytes),
+        "memcpy_s": flat_memcpy(raw_bytes),
+        "wire_mb": raw_bytes / 1e6,
+    }
+
+
 def sync_once(
     server: WeightServer,
     client: WeightClient,
@@ -151,7 +172,7 @@ def _alternate(
     warmup = 2
     try:
         for version in range(repeat + warmup):
-            samples = {"floor": {"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6}}
+            samples = {"floor": floor_sample(raw_bytes)}
             for compression in COMPRESSIONS:
                 samples[compression] = sync_once(
                     servers[compression], clients[compression], version, state, target
@@ -174,7 +195,7 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     target = state if big else {n: torch.empty_like(t) for n, t in state.items()}
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in ("floor", *COMPRESSIONS)}
     if big:  # once, one server at a time: at most ~4 model-sized copies alive
-        runs["floor"].append({"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6})
+        runs["floor"].append(floor_sample(raw_bytes))
         for compression in COMPRESSIONS:
             with WeightServer(TOKEN, compression=compression) as server:  # type: ignore[arg-type]
                 client = WeightClient(server.url, TOKEN, reuse_buffers=True)
@@ -190,19 +211,25 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     }
     floor_s = rows["floor"]["total_s"]
     loopback_mb_s = rows["floor"]["wire_mb"] / floor_s
+    # A safe none path copies twice besides the socket: the snapshot (the trainer keeps training
+    # while rollouts read) and the load into the engine (a cut stream never half-loads a model).
+    copy_floor_s = floor_s + 2 * rows["floor"]["memcpy_s"]
     for row in rows.values():
         row["vs_floor"] = row["total_s"] / floor_s
+        row["vs_copy_floor"] = row["total_s"] / copy_floor_s
         row["vs_none"] = row["total_s"] / rows["none"]["total_s"]
         row["cpu_s"] = row["total_s"] - row["wire_mb"] / loopback_mb_s
-    for mode in ("bf16", "fp8"):
-        # the link speed below which compression pays: MB saved per extra CPU second
-        extra_cpu = rows[mode]["cpu_s"] - rows["none"]["cpu_s"]
-        saved_mb = rows["none"]["wire_mb"] - rows[mode]["wire_mb"]
-        rows[mode]["pays_below_mb_s"] = saved_mb / extra_cpu if extra_cpu > 0 else None
+    for mode, base in (("bf16", "none"), ("fp8", "none"), ("fp8", "bf16")):
+        # the link speed below which `mode` beats `base`: MB saved per extra CPU second
+        extra_cpu = rows[mode]["cpu_s"] - rows[base]["cpu_s"]
+        saved_mb = rows[base]["wire_mb"] - rows[mode]["wire_mb"]
+        key = "pays_below_mb_s" if base == "none" else f"beats_{base}_below_mb_s"
+        rows[mode][key] = saved_mb / extra_cpu if extra_cpu > 0 else None
     return {
         "size": size,
         "params": params,
         "raw_mb": raw_bytes / 1e6,
+        "copy_floor_s": copy_floor_s,
         "rounds": len(runs["none"]),
         "rows": rows,
     }
@@ -276,10 +303,20 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{row['total_s']:>8.3f} {row['vs_floor']:>8.2f}x {row['vs_none']:>7.2f}x"
             )
     for entry in result["sync"]:
-        for mode in ("bf16", "fp8"):
-            below = entry["rows"][mode]["pays_below_mb_s"]
+        floor = entry["rows"]["floor"]
+        print(
+            f"{entry['size']} memcpy of the same bytes {floor['memcpy_s']:.3f} s; floor + 2 copies "
+            f"(snapshot, load) {entry['copy_floor_s']:.3f} s; none at "
+            f"{entry['rows']['none']['vs_copy_floor']:.2f}x of that"
+        )
+        for mode, base, key in (
+            ("bf16", "none", "pays_below_mb_s"),
+            ("fp8", "none", "pays_below_mb_s"),
+            ("fp8", "bf16", "beats_bf16_below_mb_s"),
+        ):
+            below = entry["rows"][mode][key]
             verdict = "always" if below is None else f"on links slower than {below:.0f} MB/s"
-            print(f"{entry['size']} {mode} beats none {verdict}")
+            print(f"{entry['size']} {mode} beats {base} {verdict}")
     for row in result["colocated"]:
         print(
             f"colocated {row['engine']} reload ({row['params'] / 1e6:.0f}M params, "
@@ -333,8 +370,10 @@ def main() -> int:
     parser.add_argument("--sizes", default="62M,250M,500M")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--engines", default="hf,vllm", help="colocated reload ('' skips)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_before = load_average()
     sync = []
     for size in args.sizes.split(","):
@@ -346,7 +385,11 @@ def main() -> int:
         "command": " ".join(["python -m bench.weightsync_bench", *sys.argv[1:]]),
         "load_before": load_before,
         "load_after": load_average(),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
         "repeat": args.repeat,
         "sync": sync,
         "colocated": colocated,
