@@ -21,10 +21,15 @@ file that vLLM's ``reload_weights`` and ``safetensors.torch.load_file`` read dir
 Streaming: ``build_payload`` writes the safetensors header itself and keeps the wire tensors as
 they are (``WirePayload``), so a server sends each tensor's memory straight to the socket and
 ``read_payload`` reads each tensor straight from the socket into its own storage: no whole-model
-``bytes`` is ever built on either side. Compression works on whole tensors (one per-tensor max
-for every fp8 scale in a single ``_foreach_norm``, then a cast per tensor); nothing loops in
-Python per element. The payload is the same safetensors file either way, so senders and
-receivers from before streaming and after it read each other.
+``bytes`` is ever built on either side. The payload is the same safetensors file either way, so
+senders and receivers from before streaming and after it read each other.
+
+Copies: compression *is* the publish snapshot (the cast writes the wire tensor), and
+decompression *is* the load (``DecodedWeights.decode_into`` writes each decoded tensor straight
+into the engine's parameter), so a compressed payload costs no pass over the model that an
+uncompressed one does not make. fp8 scales come from one ``aminmax`` per tensor; the fp8
+conversions run in cache-sized chunks (``_CHUNK``) so each chunk's intermediates never reach
+memory.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -46,6 +52,8 @@ __all__ = [
     "FP8_MAX",
     "Compression",
     "DecodedWeights",
+    "FillProgress",
+    "PendingPayload",
     "TensorPool",
     "WirePayload",
     "build_payload",
@@ -58,6 +66,7 @@ __all__ = [
     "raw_nbytes",
     "read_metadata",
     "read_payload",
+    "start_payload",
     "wire_dtype",
 ]
 
@@ -219,26 +228,72 @@ def _take(
     return torch.empty(shape, dtype=dtype) if pool is None else pool.take(key, shape, dtype)
 
 
+class FillProgress:
+    """How many of a payload's wire tensors are written, in data order; readers wait on it.
+
+    A payload is announced before its tensors are written (``start_payload``) so a server can
+    send tensor ``i`` while the publisher still writes tensor ``i + 1``; ``abort`` wakes the
+    readers with an error when writing fails.
+    """
+
+    def __init__(self, total: int, ready: int = 0) -> None:
+        self.total = total
+        self._ready = ready
+        self._aborted = False
+        self._changed = threading.Condition()
+
+    def advance(self) -> None:
+        """One more tensor is written."""
+        with self._changed:
+            self._ready += 1
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        """Writing failed: every waiting and later reader raises."""
+        with self._changed:
+            self._aborted = True
+            self._changed.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        """Block until ``count`` tensors are written; ``ConnectionAbortedError`` if aborted."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready >= count or self._aborted)
+            if self._ready < count:
+                raise ConnectionAbortedError("weights payload: publishing it failed")
+
+
 @dataclass(frozen=True)
 class WirePayload:
     """A safetensors payload kept as its header plus the wire tensors (no joined copy).
 
     ``header`` is the 8-byte length and the JSON header; ``tensors`` are contiguous CPU
-    tensors in data order. ``chunks()`` are the byte views to send, in order.
+    tensors in data order, written as ``progress`` says (all of them unless the payload came
+    from ``start_payload`` and is still being filled). ``stream()`` yields the byte views to
+    send, each as soon as it is written; ``chunks()`` waits for all of them.
     """
 
     version: int
     header: bytes
     tensors: tuple[torch.Tensor, ...]
+    progress: FillProgress | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire (the size of the safetensors file)."""
         return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
 
+    def stream(self) -> Iterator[memoryview]:
+        """The header, then each tensor's bytes (zero-copy) once it is written."""
+        yield memoryview(self.header)
+        for index, tensor in enumerate(self.tensors):
+            if self.progress is not None:
+                self.progress.wait_for(index + 1)
+            if tensor.numel():
+                yield _byte_view(tensor)
+
     def chunks(self) -> list[memoryview]:
-        """The header and each tensor's bytes, zero-copy."""
-        return [memoryview(self.header), *(_byte_view(t) for t in self.tensors if t.numel())]
+        """The header and each tensor's bytes, zero-copy (waits until all are written)."""
+        return list(self.stream())
 
     def to_bytes(self) -> bytes:
         """The whole payload as one ``bytes`` (a safetensors file)."""
@@ -257,20 +312,62 @@ def compress_state(
     parameters while a payload is being sent. fp8 scales come from one ``aminmax`` per tensor.
     With ``pool`` the wire tensors (and the fp8 scratch) are taken from it.
     """
+    pending = start_payload(0, state, compression, pool=pool)
+    pending.fill()
+    return dict(zip(pending.sources, pending.payload.tensors, strict=True)), pending.scales
+
+
+@dataclass(frozen=True)
+class PendingPayload:
+    """A payload announced before its tensors are written: ``fill`` writes them in data order
+    (snapshot and compression in one pass per tensor) while readers stream what is ready."""
+
+    payload: WirePayload
+    sources: dict[str, torch.Tensor]
+    scales: dict[str, float]
+    pool: TensorPool | None
+
+    def fill(self) -> WirePayload:
+        """Write every wire tensor; on failure the payload's readers are aborted, then raise."""
+        progress = self.payload.progress
+        assert progress is not None
+        try:
+            scratch = _take(self.pool, "#scratch", [_CHUNK], torch.float32) if self.scales else None
+            for (name, source), packed in zip(
+                self.sources.items(), self.payload.tensors, strict=True
+            ):
+                if scratch is None or name not in self.scales:
+                    packed.copy_(source)
+                else:
+                    _fp8_encode_into(source, self.scales[name], packed, scratch)
+                progress.advance()
+        except BaseException:
+            progress.abort()
+            raise
+        return self.payload
+
+
+def start_payload(
+    version: int,
+    state: Mapping[str, torch.Tensor],
+    compression: Compression = "none",
+    *,
+    published_at: float = 0.0,
+    pool: TensorPool | None = None,
+) -> PendingPayload:
+    """The header and (unwritten) wire tensors of ``state`` as ``version``; ``fill()`` writes
+    them. Non-finite fp8 inputs and unknown compressions raise here, before anything is sent."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
     sources = {name: t.detach().to("cpu") for name, t in state.items()}
     scales = _fp8_scales(sources) if compression == "fp8" else {}
-    wire: dict[str, torch.Tensor] = {}
-    for name, source in sources.items():
-        target = wire_dtype(source.dtype, compression)
-        packed = _take(pool, name, source.shape, target)
-        if name not in scales:
-            wire[name] = packed.copy_(source)
-            continue
-        scratch = _take(pool, "#scratch", [_CHUNK], torch.float32)
-        wire[name] = _fp8_encode_into(source, scales[name], packed, scratch)
-    return wire, scales
+    wire = {
+        name: _take(pool, name, source.shape, wire_dtype(source.dtype, compression))
+        for name, source in sources.items()
+    }
+    header = _header(version, published_at, compression, sources, wire, scales)
+    payload = WirePayload(version, header, tuple(wire.values()), FillProgress(len(wire)))
+    return PendingPayload(payload, sources, scales, pool)
 
 
 def _fp8_encode_into(
@@ -327,11 +424,22 @@ def build_payload(
 ) -> WirePayload:
     """Compress ``state`` (any device) into a ``WirePayload`` for ``version`` (wire tensors
     taken from ``pool`` when given)."""
-    wire, scales = compress_state(state, compression, pool=pool)
+    return start_payload(version, state, compression, published_at=published_at, pool=pool).fill()
+
+
+def _header(
+    version: int,
+    published_at: float,
+    compression: Compression,
+    sources: Mapping[str, torch.Tensor],
+    wire: Mapping[str, torch.Tensor],
+    scales: Mapping[str, float],
+) -> bytes:
+    """The safetensors length prefix and JSON header (padded to 8 bytes) for ``wire``."""
     dtypes = {
-        name: str(state[name].dtype).removeprefix("torch.")
+        name: str(sources[name].dtype).removeprefix("torch.")
         for name, tensor in wire.items()
-        if tensor.dtype != state[name].dtype
+        if tensor.dtype != sources[name].dtype
     }
     metadata = {
         "format": "pt",
@@ -339,7 +447,7 @@ def build_payload(
         "rljob.published_at": repr(published_at),
         "rljob.compression": compression,
         "rljob.dtypes": json.dumps(dtypes),
-        "rljob.scales": json.dumps(scales),
+        "rljob.scales": json.dumps(dict(scales)),
     }
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -355,7 +463,7 @@ def build_payload(
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    return WirePayload(version, struct.pack("<Q", len(encoded)) + encoded, tuple(wire.values()))
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
 def encode_weights(
