@@ -4,9 +4,11 @@ Side by side in one run, per model size (Qwen2-shaped state dicts, random init):
 
 1. ``floor``: the uncompressed payload's bytes over a raw loopback TCP socket into a
    pre-allocated buffer (no HTTP, no parsing, no copies): what loopback itself allows;
-2. ``none`` / ``bf16`` / ``fp8``: ``WeightServer.publish`` (snapshot + compression) ->
-   ``WeightClient.fetch_latest`` (streamed into tensors + decompression) -> copy into the
-   receiver's parameters (what ``HFEngine.load_weights`` does), the full publish -> usable path;
+2. ``none`` / ``bf16`` / ``fp8``: a rollout waits in ``WeightClient.fetch_latest`` (long-poll);
+   ``WeightServer.publish`` (snapshot + compression, streamed while it is written) -> the
+   fetch (read straight into tensors) -> decompression straight into the receiver's parameters
+   (what ``HFEngine.load_weights`` does): the full publish -> usable path. ``publish_s`` and
+   ``fetch_s`` both count from the publish call (they overlap); ``load_s`` follows the fetch;
 3. colocated in-process reload (``--engines hf,vllm``, a 66M-parameter model): each engine's
    ``load_weights`` from the trainer's parameters beside one ``memcpy`` (a flat ``copy_``) of
    the same bytes.
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rljob_workers.weightsync import WeightClient, WeightServer
+from rljob_workers.weightsync import ReceivedWeights, WeightClient, WeightServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-token"
@@ -136,21 +138,29 @@ def sync_once(
     state: dict[str, torch.Tensor],
     target: dict[str, torch.Tensor],
 ) -> dict[str, float]:
-    """One publish -> fetch -> load; phase times in seconds."""
+    """One publish -> fetch -> load with the rollout already waiting (long-poll), as a rollout
+    that holds for a newer version does; phase times in seconds from the publish call."""
+    received: list[ReceivedWeights | None] = []
+    reader = threading.Thread(
+        target=lambda: received.append(client.fetch_latest(after=version - 1, wait_s=30))
+    )
+    reader.start()
+    time.sleep(0.05)  # the request is in and waiting
     start = time.perf_counter()
     report = server.publish(version, state)
     published = time.perf_counter()
-    received = client.fetch_latest(after=version - 1, wait_s=30)
+    reader.join()
     fetched = time.perf_counter()
-    if received is None or received.version != version:
+    weights = received[0] if received else None
+    if weights is None or weights.version != version:
         raise RuntimeError(f"version {version} did not arrive")
     with torch.no_grad():  # as HFEngine.load_weights: decompressed straight into each parameter
-        for name in received.weights.names():
-            received.weights.decode_into(name, target[name])
+        for name in weights.weights.names():
+            weights.weights.decode_into(name, target[name])
     loaded = time.perf_counter()
     return {
         "publish_s": published - start,
-        "fetch_s": fetched - published,
+        "fetch_s": fetched - start,
         "load_s": loaded - fetched,
         "total_s": loaded - start,
         "wire_mb": report.wire_bytes / 1e6,
@@ -288,7 +298,7 @@ def load_average() -> list[float]:
 def print_tables(result: dict[str, Any]) -> None:
     print(f"\nweight sync, medians; load {result['load_before']} -> {result['load_after']}")
     print(
-        f"{'size':>5} {'mode':>5} {'wire MB':>8} {'publish':>8} {'fetch':>8} {'load':>7} "
+        f"{'size':>5} {'mode':>5} {'wire MB':>8} {'publish':>8} {'fetched':>8} {'load':>7} "
         f"{'total s':>8} {'vs floor':>9} {'vs none':>8}"
     )
     for entry in result["sync"]:
