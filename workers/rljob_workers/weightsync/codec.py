@@ -556,10 +556,10 @@ def _fp8_decode_into(
     """``target <- wire.float() * scale`` (``target`` contiguous, on CPU, any float dtype),
     chunk by chunk through ``bits`` (an int32 tensor of ``_CHUNK`` elements, kept in cache).
 
-    torch's fp8 -> fp32 cast is scalar code; this moves the bits with three in-place integer
-    ops instead: the byte, sign-extended to int32 and shifted left 24 then arithmetically right
-    4, has the sign in bit 31 and exponent+mantissa in bits 20..26 once the copies of the sign
-    in bits 27..30 are masked off. That float32 is the fp8 value times 2**-120 (exact for normal
+    torch's fp8 -> fp32 cast is scalar code; this moves the bits with two in-place integer ops
+    instead: the byte, sign-extended to int32 and shifted left 20, has exponent+mantissa in bits
+    20..26 and copies of the sign in bits 27..31; masking off bits 27..30 leaves the sign in
+    bit 31. That float32 is the fp8 value times 2**-120 (exact for normal
     and subnormal values); one multiply by ``scale * 2**120``, written into ``target``, restores
     it. fp8 NaN (never produced by ``compress_state``, whose values stay within 448) reads as
     +-480 * scale.
@@ -570,7 +570,7 @@ def _fp8_decode_into(
         piece = codes[start : start + _CHUNK]
         chunk = bits[: piece.numel()]
         chunk.copy_(piece)
-        chunk.bitwise_left_shift_(24).bitwise_right_shift_(4).bitwise_and_(_FP8_SIGN_AND_BITS)
+        chunk.bitwise_left_shift_(20).bitwise_and_(_FP8_SIGN_AND_BITS)
         values = chunk.view(torch.float32)
         if factor >= 3.0e38:
             values.mul_(2.0**120)
