@@ -13,8 +13,8 @@ Side by side in one run, per model size (Qwen2-shaped state dicts, random init):
    ``load_weights`` from the trainer's parameters beside one ``memcpy`` (a flat ``copy_``) of
    the same bytes.
 
-Modes alternate within each repeat (the first two rounds warm up, not counted; the largest
-size runs once); medians reported.
+Modes alternate within each repeat (the first two rounds warm up, not counted); the largest
+size runs one mode at a time, once after two warm-up syncs; medians reported.
 Writes bench/results/weightsync_bench.{json,png}.
 Usage: .venv/bin/python -m bench.weightsync_bench [--sizes 62M,250M,500M] [--repeat 3]
        [--engines hf,vllm] [--threads N]
@@ -204,12 +204,15 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     big = raw_bytes > 1 << 30
     target = state if big else {n: torch.empty_like(t) for n, t in state.items()}
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in ("floor", *COMPRESSIONS)}
-    if big:  # once, one server at a time: at most ~4 model-sized copies alive
+    if big:  # one server at a time (at most ~4 model-sized copies alive); the third sync is
+        # counted: the first two map both publish pools and the receive buffers, as in steady use
         runs["floor"].append(floor_sample(raw_bytes))
         for compression in COMPRESSIONS:
             with WeightServer(TOKEN, compression=compression) as server:  # type: ignore[arg-type]
                 client = WeightClient(server.url, TOKEN, reuse_buffers=True)
-                runs[compression].append(sync_once(server, client, 0, state, target))
+                for version in range(3):
+                    sample = sync_once(server, client, version, state, target)
+                runs[compression].append(sample)
                 del client
             gc.collect()
             print(f"  {size} {compression} done", flush=True)
