@@ -4,18 +4,20 @@ Side by side in one run, per model size (Qwen2-shaped state dicts, random init):
 
 1. ``floor``: the uncompressed payload's bytes over a raw loopback TCP socket into a
    pre-allocated buffer (no HTTP, no parsing, no copies): what loopback itself allows;
-2. ``none`` / ``bf16`` / ``fp8``: ``WeightServer.publish`` (snapshot + compression) ->
-   ``WeightClient.fetch_latest`` (streamed into tensors + decompression) -> copy into the
-   receiver's parameters (what ``HFEngine.load_weights`` does), the full publish -> usable path;
+2. ``none`` / ``bf16`` / ``fp8``: a rollout waits in ``WeightClient.fetch_latest`` (long-poll);
+   ``WeightServer.publish`` (snapshot + compression, streamed while it is written) -> the
+   fetch (read straight into tensors) -> decompression straight into the receiver's parameters
+   (what ``HFEngine.load_weights`` does): the full publish -> usable path. ``publish_s`` and
+   ``fetch_s`` both count from the publish call (they overlap); ``load_s`` follows the fetch;
 3. colocated in-process reload (``--engines hf,vllm``, a 66M-parameter model): each engine's
    ``load_weights`` from the trainer's parameters beside one ``memcpy`` (a flat ``copy_``) of
    the same bytes.
 
-Modes alternate within each repeat (the first two rounds warm up, not counted; the largest
-size runs once); medians reported.
+Modes alternate within each repeat (the first two rounds warm up, not counted); the largest
+size runs one mode at a time, once after two warm-up syncs; medians reported.
 Writes bench/results/weightsync_bench.{json,png}.
 Usage: .venv/bin/python -m bench.weightsync_bench [--sizes 62M,250M,500M] [--repeat 3]
-       [--engines hf,vllm]
+       [--engines hf,vllm] [--threads N]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rljob_workers.weightsync import WeightClient, WeightServer
+from rljob_workers.weightsync import ReceivedWeights, WeightClient, WeightServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-token"
@@ -108,6 +110,27 @@ def loopback_floor(nbytes: int, chunk: int = 64 << 20) -> float:
     return elapsed
 
 
+def flat_memcpy(nbytes: int, chunk: int = 64 << 20) -> float:
+    """Seconds for one ``copy_`` pass over ``nbytes`` (64 MB pre-faulted buffers, reused as the
+    floor's are): what each copy a publish or a load must make costs at best."""
+    source = torch.ones(min(chunk, nbytes), dtype=torch.uint8)
+    sink = torch.zeros(min(chunk, nbytes), dtype=torch.uint8)
+    start = time.perf_counter()
+    for offset in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - offset)
+        sink[:size].copy_(source[:size])
+    return time.perf_counter() - start
+
+
+def floor_sample(raw_bytes: int) -> dict[str, float]:
+    """The loopback floor and a memcpy of the same bytes."""
+    return {
+        "total_s": loopback_floor(raw_bytes),
+        "memcpy_s": flat_memcpy(raw_bytes),
+        "wire_mb": raw_bytes / 1e6,
+    }
+
+
 def sync_once(
     server: WeightServer,
     client: WeightClient,
@@ -115,21 +138,29 @@ def sync_once(
     state: dict[str, torch.Tensor],
     target: dict[str, torch.Tensor],
 ) -> dict[str, float]:
-    """One publish -> fetch -> load; phase times in seconds."""
+    """One publish -> fetch -> load with the rollout already waiting (long-poll), as a rollout
+    that holds for a newer version does; phase times in seconds from the publish call."""
+    received: list[ReceivedWeights | None] = []
+    reader = threading.Thread(
+        target=lambda: received.append(client.fetch_latest(after=version - 1, wait_s=30))
+    )
+    reader.start()
+    time.sleep(0.05)  # the request is in and waiting
     start = time.perf_counter()
     report = server.publish(version, state)
     published = time.perf_counter()
-    received = client.fetch_latest(after=version - 1, wait_s=30)
+    reader.join()
     fetched = time.perf_counter()
-    if received is None or received.version != version:
+    weights = received[0] if received else None
+    if weights is None or weights.version != version:
         raise RuntimeError(f"version {version} did not arrive")
-    with torch.no_grad():
-        for name, tensor in received.named_tensors():
-            target[name].copy_(tensor)
+    with torch.no_grad():  # as HFEngine.load_weights: decompressed straight into each parameter
+        for name in weights.weights.names():
+            weights.weights.decode_into(name, target[name])
     loaded = time.perf_counter()
     return {
         "publish_s": published - start,
-        "fetch_s": fetched - published,
+        "fetch_s": fetched - start,
         "load_s": loaded - fetched,
         "total_s": loaded - start,
         "wire_mb": report.wire_bytes / 1e6,
@@ -151,7 +182,7 @@ def _alternate(
     warmup = 2
     try:
         for version in range(repeat + warmup):
-            samples = {"floor": {"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6}}
+            samples = {"floor": floor_sample(raw_bytes)}
             for compression in COMPRESSIONS:
                 samples[compression] = sync_once(
                     servers[compression], clients[compression], version, state, target
@@ -173,12 +204,15 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     big = raw_bytes > 1 << 30
     target = state if big else {n: torch.empty_like(t) for n, t in state.items()}
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in ("floor", *COMPRESSIONS)}
-    if big:  # once, one server at a time: at most ~4 model-sized copies alive
-        runs["floor"].append({"total_s": loopback_floor(raw_bytes), "wire_mb": raw_bytes / 1e6})
+    if big:  # one server at a time (at most ~4 model-sized copies alive); the third sync is
+        # counted: the first two map both publish pools and the receive buffers, as in steady use
+        runs["floor"].append(floor_sample(raw_bytes))
         for compression in COMPRESSIONS:
             with WeightServer(TOKEN, compression=compression) as server:  # type: ignore[arg-type]
                 client = WeightClient(server.url, TOKEN, reuse_buffers=True)
-                runs[compression].append(sync_once(server, client, 0, state, target))
+                for version in range(3):
+                    sample = sync_once(server, client, version, state, target)
+                runs[compression].append(sample)
                 del client
             gc.collect()
             print(f"  {size} {compression} done", flush=True)
@@ -190,19 +224,25 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     }
     floor_s = rows["floor"]["total_s"]
     loopback_mb_s = rows["floor"]["wire_mb"] / floor_s
+    # A safe none path copies twice besides the socket: the snapshot (the trainer keeps training
+    # while rollouts read) and the load into the engine (a cut stream never half-loads a model).
+    copy_floor_s = floor_s + 2 * rows["floor"]["memcpy_s"]
     for row in rows.values():
         row["vs_floor"] = row["total_s"] / floor_s
+        row["vs_copy_floor"] = row["total_s"] / copy_floor_s
         row["vs_none"] = row["total_s"] / rows["none"]["total_s"]
         row["cpu_s"] = row["total_s"] - row["wire_mb"] / loopback_mb_s
-    for mode in ("bf16", "fp8"):
-        # the link speed below which compression pays: MB saved per extra CPU second
-        extra_cpu = rows[mode]["cpu_s"] - rows["none"]["cpu_s"]
-        saved_mb = rows["none"]["wire_mb"] - rows[mode]["wire_mb"]
-        rows[mode]["pays_below_mb_s"] = saved_mb / extra_cpu if extra_cpu > 0 else None
+    for mode, base in (("bf16", "none"), ("fp8", "none"), ("fp8", "bf16")):
+        # the link speed below which `mode` beats `base`: MB saved per extra CPU second
+        extra_cpu = rows[mode]["cpu_s"] - rows[base]["cpu_s"]
+        saved_mb = rows[base]["wire_mb"] - rows[mode]["wire_mb"]
+        key = "pays_below_mb_s" if base == "none" else f"beats_{base}_below_mb_s"
+        rows[mode][key] = saved_mb / extra_cpu if extra_cpu > 0 else None
     return {
         "size": size,
         "params": params,
         "raw_mb": raw_bytes / 1e6,
+        "copy_floor_s": copy_floor_s,
         "rounds": len(runs["none"]),
         "rows": rows,
     }
@@ -261,7 +301,7 @@ def load_average() -> list[float]:
 def print_tables(result: dict[str, Any]) -> None:
     print(f"\nweight sync, medians; load {result['load_before']} -> {result['load_after']}")
     print(
-        f"{'size':>5} {'mode':>5} {'wire MB':>8} {'publish':>8} {'fetch':>8} {'load':>7} "
+        f"{'size':>5} {'mode':>5} {'wire MB':>8} {'publish':>8} {'fetched':>8} {'load':>7} "
         f"{'total s':>8} {'vs floor':>9} {'vs none':>8}"
     )
     for entry in result["sync"]:
@@ -276,10 +316,20 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{row['total_s']:>8.3f} {row['vs_floor']:>8.2f}x {row['vs_none']:>7.2f}x"
             )
     for entry in result["sync"]:
-        for mode in ("bf16", "fp8"):
-            below = entry["rows"][mode]["pays_below_mb_s"]
+        floor = entry["rows"]["floor"]
+        print(
+            f"{entry['size']} memcpy of the same bytes {floor['memcpy_s']:.3f} s; floor + 2 copies "
+            f"(snapshot, load) {entry['copy_floor_s']:.3f} s; none at "
+            f"{entry['rows']['none']['vs_copy_floor']:.2f}x of that"
+        )
+        for mode, base, key in (
+            ("bf16", "none", "pays_below_mb_s"),
+            ("fp8", "none", "pays_below_mb_s"),
+            ("fp8", "bf16", "beats_bf16_below_mb_s"),
+        ):
+            below = entry["rows"][mode][key]
             verdict = "always" if below is None else f"on links slower than {below:.0f} MB/s"
-            print(f"{entry['size']} {mode} beats none {verdict}")
+            print(f"{entry['size']} {mode} beats {base} {verdict}")
     for row in result["colocated"]:
         print(
             f"colocated {row['engine']} reload ({row['params'] / 1e6:.0f}M params, "
@@ -333,8 +383,10 @@ def main() -> int:
     parser.add_argument("--sizes", default="62M,250M,500M")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--engines", default="hf,vllm", help="colocated reload ('' skips)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_before = load_average()
     sync = []
     for size in args.sizes.split(","):
@@ -346,7 +398,11 @@ def main() -> int:
         "command": " ".join(["python -m bench.weightsync_bench", *sys.argv[1:]]),
         "load_before": load_before,
         "load_after": load_average(),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
         "repeat": args.repeat,
         "sync": sync,
         "colocated": colocated,

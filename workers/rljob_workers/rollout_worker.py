@@ -205,7 +205,7 @@ class RolloutWorker:
             return False
         if received is None:
             return False
-        self.engine.load_weights(received.version, received.named_tensors())
+        self.engine.load_weights(received.version, received.weights)
         self.served_at = self.clock()
         self.weights_latency_ms = (self.served_at - received.weights.published_at) * 1000.0
         return True

@@ -158,3 +158,28 @@ def test_sleep_wake_noop_keeps_generating(engine):
     engine.sleep()
     engine.wake()
     assert len(engine.generate(["1+1="], max_tokens=2, seed=0)) == 1
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16", "fp8"])
+def test_load_weights_received_payload_equals_its_decoded_pairs(tiny_model_dir, compression):
+    from rljob_workers.weightsync import decode_weights, encode_weights
+
+    direct, from_pairs = HFEngine(tiny_model_dir), HFEngine(tiny_model_dir)
+    received = decode_weights(encode_weights(3, _perturbed(direct), compression))
+
+    direct.load_weights(3, received)  # decompressed straight into each parameter
+    from_pairs.load_weights(3, received.named_tensors())
+
+    assert direct.weights_version == 3
+    for name, tensor in from_pairs.model.state_dict().items():
+        assert torch.equal(tensor, direct.model.state_dict()[name]), name
+
+
+def test_load_weights_received_payload_unknown_name_raises(tiny_model_dir):
+    from rljob_workers.weightsync import decode_weights, encode_weights
+
+    engine = HFEngine(tiny_model_dir)
+    received = decode_weights(encode_weights(1, {"model.nonexistent": torch.zeros(1)}, "fp8"))
+    with pytest.raises(KeyError, match=r"model\.nonexistent"):
+        engine.load_weights(1, received)
+    assert engine.weights_version == 0

@@ -10,7 +10,16 @@ Aspects under test:
   wire (the broadcast path uses the latter; both must agree);
 - publish takes a snapshot: updating the trainer's tensors after ``publish`` does not change
   what a rollout fetches;
-- a payload cut short is an error naming where it ended, never a partial model.
+- a payload streams while it is written: its header is sent before any tensor is written and
+  the streamed bytes equal the finished payload's; a publish failing half-way cuts the rollout
+  reading it (``ConnectionError``), raises in the trainer and leaves the previous version
+  the latest;
+- a payload cut short is an error naming where it ended, never a partial model; over HTTP, a
+  body cut short by the server is a ``ConnectionError`` naming the tensor;
+- the chunked fp8 conversions agree with torch's casts across chunk boundaries (tensors of one
+  chunk, one element more, several chunks and a ragged tail), both ways;
+- ``decode_into`` decompresses into a destination of any float dtype (equal to decoding then
+  casting) and refuses a destination of another shape, naming the tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +27,9 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -25,14 +37,16 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from rljob_workers.weightsync import WeightClient, WeightServer
+from rljob_workers.weightsync import WeightClient, WeightServer, codec
 from rljob_workers.weightsync.codec import (
+    _CHUNK,
     _fp8_to_float32,
     build_payload,
     compress_state,
     compress_tensor,
     decode_weights,
     read_payload,
+    start_payload,
 )
 
 TOKEN = "job-token-for-weights"
@@ -192,3 +206,129 @@ def test_weight_server_steady_publishing_alternates_two_snapshots() -> None:
 
     assert pointers[0] == pointers[2] and pointers[1] == pointers[3]
     assert pointers[0] != pointers[1]
+
+
+@pytest.mark.parametrize("numel", [_CHUNK, _CHUNK + 1, 3 * _CHUNK - 7])
+def test_fp8_chunked_conversions_across_chunk_boundaries_equal_torch_casts(numel) -> None:
+    torch.manual_seed(numel)
+    tensor = torch.randn(numel)
+    tensor[-1] = 7.0  # the extreme sits in the last, possibly one-element, chunk
+
+    wire, scales = compress_state({"w": tensor}, "fp8")
+    expected, scale = compress_tensor(tensor, "fp8")
+    decoded = decode_weights(build_payload(0, {"w": tensor}, "fp8").to_bytes())
+
+    assert scales["w"] == scale
+    assert torch.equal(wire["w"].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(decoded.tensors["w"], expected.float() * scale)
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_destination_equals_decoded_tensor_cast(compression, dtype) -> None:
+    sent = {"w": torch.randn(_CHUNK + 5, 3)}
+    decoded = decode_weights(build_payload(0, sent, compression).to_bytes())
+    target = torch.full((_CHUNK + 5, 3), float("nan"), dtype=dtype)
+
+    decoded.decode_into("w", target)
+
+    assert torch.equal(target, decoded.tensors["w"].to(dtype))
+
+
+def test_decode_into_other_shape_refused_naming_tensor() -> None:
+    decoded = decode_weights(build_payload(0, {"layer.w": torch.ones(4, 3)}, "fp8").to_bytes())
+
+    with pytest.raises(ValueError, match=r"'layer\.w' has shape \[4, 3\], its destination \[12\]"):
+        decoded.decode_into("layer.w", torch.empty(12))
+
+
+def test_weight_client_body_cut_short_by_server_names_the_tensor() -> None:
+    payload = build_payload(4, {"a": torch.ones(1000), "b": torch.ones(1000)}).to_bytes()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_truncated() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            conn.sendall(head + payload[: len(payload) - 100])
+
+    thread = threading.Thread(target=serve_truncated)
+    thread.start()
+    host, port = listener.getsockname()
+    client = WeightClient(f"http://{host}:{port}", TOKEN)
+    try:
+        with pytest.raises(ConnectionError, match="ended inside tensor 'b'"):
+            client.fetch_latest()
+    finally:
+        thread.join()
+        listener.close()
+
+
+def test_start_payload_header_streams_before_fill_and_bytes_equal_built_payload() -> None:
+    sent = state(7)
+    pending = start_payload(2, sent, "fp8")
+    stream = pending.payload.stream()
+
+    header = bytes(next(stream))  # nothing written yet
+    pending.fill()
+    streamed = header + b"".join(bytes(chunk) for chunk in stream)
+
+    assert streamed == build_payload(2, sent, "fp8").to_bytes()
+
+
+def test_start_payload_aborted_fill_readers_raise() -> None:
+    pending = start_payload(1, state(1))
+    stream = pending.payload.stream()
+    next(stream)
+
+    assert pending.payload.progress is not None
+    pending.payload.progress.abort()
+
+    with pytest.raises(ConnectionAbortedError, match="publishing it failed"):
+        list(stream)
+
+
+def test_weight_server_publish_failing_half_way_cuts_reader_and_keeps_previous(
+    monkeypatch,
+) -> None:
+    encode = codec._fp8_encode_into
+    with WeightServer(TOKEN, compression="fp8") as server:
+        server.publish(1, big_state(1.0))
+
+        def out_of_memory_on_second_tensor(source, scale, packed, scratch):
+            if source.numel() == 3:  # "b", written after "w": fail once a rollout reads
+                deadline = time.monotonic() + 10
+                while not any(server._readers) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                raise MemoryError("injected while writing the snapshot")
+            return encode(source, scale, packed, scratch)
+
+        monkeypatch.setattr(codec, "_fp8_encode_into", out_of_memory_on_second_tensor)
+        outcome: dict[str, object] = {}
+
+        def wait_for_version_2() -> None:
+            try:
+                outcome["weights"] = WeightClient(server.url, TOKEN).fetch_latest(
+                    after=1, wait_s=30
+                )
+            except ConnectionError as err:
+                outcome["error"] = err
+
+        reader = threading.Thread(target=wait_for_version_2)
+        reader.start()
+        while not server._http._server.connections:  # the rollout is waiting
+            time.sleep(0.01)
+        with pytest.raises(MemoryError):
+            server.publish(2, big_state(2.0))
+        reader.join(timeout=30)
+        monkeypatch.setattr(codec, "_fp8_encode_into", encode)
+        still = WeightClient(server.url, TOKEN).fetch_latest()
+        server.publish(2, big_state(2.0))
+        retried = WeightClient(server.url, TOKEN).fetch_latest(after=1)
+
+    assert isinstance(outcome.get("error"), ConnectionError)
+    assert still is not None and still.version == 1
+    assert torch.equal(still.weights.tensors["w"], big_state(1.0)["w"])
+    assert retried is not None and retried.version == 2
+    assert torch.equal(retried.weights.tensors["b"], big_state(2.0)["b"])

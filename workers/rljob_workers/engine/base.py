@@ -22,8 +22,30 @@ if TYPE_CHECKING:
 
 FinishReason: TypeAlias = Literal["stop", "length", "abort"]
 Prompts: TypeAlias = Sequence[str] | Sequence[Sequence[int]]
+
+
+@runtime_checkable
+class DecodingSource(Protocol):
+    """Received weights that decompress each tensor straight into a destination tensor
+    (``weightsync.DecodedWeights``): an engine that owns its parameters loads with no
+    intermediate copy."""
+
+    def names(self) -> list[str]:
+        """The tensor names (checkpoint names as in ``model.state_dict()``)."""
+        ...
+
+    def decode_into(self, name: str, target: torch.Tensor) -> None:
+        """Write tensor ``name``, decompressed, into ``target`` (same shape)."""
+        ...
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` pairs, decompressed."""
+        ...
+
+
 WeightSource: TypeAlias = (
-    "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]"
+    "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | DecodingSource | str "
+    "| os.PathLike[str]"
 )
 
 
@@ -78,8 +100,8 @@ class RolloutEngine(Protocol):
         """Replace the served weights with ``source`` and record ``version``.
 
         ``source`` is a state dict, an iterable of ``(name, tensor)`` pairs (checkpoint names as in
-        ``model.state_dict()``) or a directory holding ``*.safetensors``. The tensors are copied;
-        the caller may reuse them once this returns.
+        ``model.state_dict()``), received weights (``DecodingSource``) or a directory holding
+        ``*.safetensors``. The tensors are copied; the caller may reuse them once this returns.
         """
         ...
 
@@ -129,6 +151,9 @@ def iter_named_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor
     """Yield ``(name, tensor)`` pairs from any ``WeightSource``, detached from autograd."""
     if isinstance(source, str | os.PathLike):
         yield from _iter_safetensors(Path(source))
+        return
+    if isinstance(source, DecodingSource):
+        yield from source.named_tensors()
         return
     pairs = source.items() if isinstance(source, Mapping) else source
     for name, tensor in pairs:

@@ -17,6 +17,7 @@ import torch
 
 from rljob_workers.engine.base import (
     Completion,
+    DecodingSource,
     FinishReason,
     Prompts,
     WeightSource,
@@ -127,11 +128,14 @@ class HFEngine:
         params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         params.update(self.model.named_buffers())
         aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-        for name, tensor in iter_named_tensors(source):
-            if name in params:
-                params[name].copy_(tensor)
-            elif name not in aliases:
-                raise KeyError(f"weights: {name!r} is not a parameter of the model")
+        if isinstance(source, DecodingSource):  # decompressed straight into each parameter
+            for name in source.names():
+                if _is_loaded(name, params, aliases):
+                    source.decode_into(name, params[name])
+        else:
+            for name, tensor in iter_named_tensors(source):
+                if _is_loaded(name, params, aliases):
+                    params[name].copy_(tensor)
         self._version = version
 
     def sleep(self) -> None:
@@ -257,3 +261,12 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase, stop_ids: set[int]) -> int
     if tokenizer.pad_token_id is not None:
         return int(tokenizer.pad_token_id)
     return min(stop_ids) if stop_ids else 0
+
+
+def _is_loaded(name: str, params: dict[str, torch.Tensor], aliases: set[str]) -> bool:
+    """Whether ``name`` is a parameter to load; a tied alias is skipped, anything else raises."""
+    if name in params:
+        return True
+    if name not in aliases:
+        raise KeyError(f"weights: {name!r} is not a parameter of the model")
+    return False

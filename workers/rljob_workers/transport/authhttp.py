@@ -14,7 +14,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -44,16 +44,19 @@ class Response:
     """What a route answers; ``headers`` are sent in addition to type and length.
 
     ``chunks`` follow ``body`` on the wire without being joined into it (a large payload is
-    written straight from the memory that holds it); ``sent`` is called once the answer is
-    written or the write failed (the chunks' memory may be reused from then on).
+    written straight from the memory that holds it); an iterator of chunks (produced while
+    the answer is sent) needs ``length``, the bytes of body and chunks together. ``sent`` is
+    called once the answer is written or the write failed (the chunks' memory may be reused
+    from then on).
     """
 
     status: int
     body: bytes = b""
     content_type: str = "application/json"
     headers: Mapping[str, str] = field(default_factory=dict)
-    chunks: tuple[memoryview, ...] = ()
+    chunks: Iterable[memoryview] = ()
     sent: Callable[[], None] | None = None
+    length: int | None = None
 
 
 class BadRequest(ValueError):
@@ -181,7 +184,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _write(self, response: Response) -> None:
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
-        length = len(response.body) + sum(c.nbytes for c in response.chunks)
+        chunks = response.chunks
+        if response.length is None:
+            chunks = tuple(chunks)
+            length = len(response.body) + sum(c.nbytes for c in chunks)
+        else:
+            length = response.length
         self.send_header("Content-Length", str(length))
         for key, value in response.headers.items():
             self.send_header(key, value)
@@ -190,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if response.body:
             self.wfile.write(response.body)
-        for chunk in response.chunks:
+        for chunk in chunks:
             self.wfile.write(chunk)
 
 

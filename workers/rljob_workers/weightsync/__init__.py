@@ -8,7 +8,8 @@ Three paths, one payload format (``codec``: safetensors + version metadata, opti
 - ``filesync``: ``publish_to_dir`` / ``load_latest`` on a shared volume, atomic renames;
 - ``broadcast``: ``broadcast_weights`` over a torch.distributed group (NCCL on GPU, gloo on CPU).
 
-Receivers hand ``named_tensors()`` to ``RolloutEngine.load_weights(version, pairs)``.
+Receivers hand the received ``DecodedWeights`` (or its ``named_tensors()``) to
+``RolloutEngine.load_weights(version, source)``, which decompresses into its parameters.
 """
 
 from rljob_workers.weightsync.broadcast import BroadcastReport, broadcast_weights

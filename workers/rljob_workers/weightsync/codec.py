@@ -21,10 +21,15 @@ file that vLLM's ``reload_weights`` and ``safetensors.torch.load_file`` read dir
 Streaming: ``build_payload`` writes the safetensors header itself and keeps the wire tensors as
 they are (``WirePayload``), so a server sends each tensor's memory straight to the socket and
 ``read_payload`` reads each tensor straight from the socket into its own storage: no whole-model
-``bytes`` is ever built on either side. Compression works on whole tensors (one per-tensor max
-for every fp8 scale in a single ``_foreach_norm``, then a cast per tensor); nothing loops in
-Python per element. The payload is the same safetensors file either way, so senders and
-receivers from before streaming and after it read each other.
+``bytes`` is ever built on either side. The payload is the same safetensors file either way, so
+senders and receivers from before streaming and after it read each other.
+
+Copies: compression *is* the publish snapshot (the cast writes the wire tensor), and
+decompression *is* the load (``DecodedWeights.decode_into`` writes each decoded tensor straight
+into the engine's parameter), so a compressed payload costs no pass over the model that an
+uncompressed one does not make. fp8 scales come from one ``aminmax`` per tensor; the fp8
+conversions run in cache-sized chunks (``_CHUNK``) so each chunk's intermediates never reach
+memory.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -45,6 +52,8 @@ __all__ = [
     "FP8_MAX",
     "Compression",
     "DecodedWeights",
+    "FillProgress",
+    "PendingPayload",
     "TensorPool",
     "WirePayload",
     "build_payload",
@@ -57,6 +66,7 @@ __all__ = [
     "raw_nbytes",
     "read_metadata",
     "read_payload",
+    "start_payload",
     "wire_dtype",
 ]
 
@@ -81,22 +91,66 @@ _SAFETENSORS_DTYPES = {
 }
 _TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 << 20
+# Elements per step of the chunked fp8 conversions: a 1 MB float32 scratch stays in cache.
+_CHUNK = 1 << 18
 ReadInto = Callable[[memoryview], int | None]
 
 
 @dataclass(frozen=True)
 class DecodedWeights:
-    """A received payload, decompressed: tensors in their original dtypes, on CPU."""
+    """A received payload: the wire tensors as they arrived, decompressed on use.
+
+    ``decode_into(name, target)`` decompresses one tensor straight into the receiver's own
+    tensor (an engine parameter) in cache-sized chunks: the conversion is the copy a load does
+    anyway, so a compressed payload costs no extra pass over the model. ``tensors`` (decoded
+    once, on first use) holds every tensor in its original dtype, on CPU.
+    """
 
     version: int
     compression: Compression
     published_at: float
-    tensors: dict[str, torch.Tensor]
+    wire: dict[str, torch.Tensor]
     wire_bytes: int
+    scales: dict[str, float] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    pool: TensorPool | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor in its original dtype (uncompressed ones are the wire tensors)."""
+        decoded = {}
+        for name, wire in self.wire.items():
+            dtype = self.dtypes.get(name, wire.dtype)
+            if name not in self.scales and dtype == wire.dtype:
+                decoded[name] = wire
+                continue
+            decoded[name] = _take(self.pool, name, wire.shape, dtype)
+            self.decode_into(name, decoded[name])
+        return decoded
+
+    def names(self) -> list[str]:
+        """Tensor names, sorted."""
+        return list(self.wire)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs, ready for a ``RolloutEngine.load_weights(version, pairs)``."""
         return list(self.tensors.items())
+
+    def decode_into(self, name: str, target: torch.Tensor) -> None:
+        """Write tensor ``name``, decompressed, into ``target`` (same shape, any float dtype)."""
+        wire = self.wire[name]
+        if target.shape != wire.shape:
+            raise ValueError(
+                f"weights: tensor {name!r} has shape {list(wire.shape)}, "
+                f"its destination {list(target.shape)}"
+            )
+        scale = self.scales.get(name)
+        if scale is None:
+            target.copy_(wire)
+        elif target.is_contiguous() and target.device.type == "cpu":
+            _fp8_decode_into(wire, scale, target, _take(self.pool, "#bits", [_CHUNK], torch.int32))
+        else:
+            target.copy_(_fp8_to_float32(wire, scale))
 
 
 def wire_dtype(dtype: torch.dtype, compression: Compression) -> torch.dtype:
@@ -174,26 +228,72 @@ def _take(
     return torch.empty(shape, dtype=dtype) if pool is None else pool.take(key, shape, dtype)
 
 
+class FillProgress:
+    """How many of a payload's wire tensors are written, in data order; readers wait on it.
+
+    A payload is announced before its tensors are written (``start_payload``) so a server can
+    send tensor ``i`` while the publisher still writes tensor ``i + 1``; ``abort`` wakes the
+    readers with an error when writing fails.
+    """
+
+    def __init__(self, total: int, ready: int = 0) -> None:
+        self.total = total
+        self._ready = ready
+        self._aborted = False
+        self._changed = threading.Condition()
+
+    def advance(self) -> None:
+        """One more tensor is written."""
+        with self._changed:
+            self._ready += 1
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        """Writing failed: every waiting and later reader raises."""
+        with self._changed:
+            self._aborted = True
+            self._changed.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        """Block until ``count`` tensors are written; ``ConnectionAbortedError`` if aborted."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready >= count or self._aborted)
+            if self._ready < count:
+                raise ConnectionAbortedError("weights payload: publishing it failed")
+
+
 @dataclass(frozen=True)
 class WirePayload:
     """A safetensors payload kept as its header plus the wire tensors (no joined copy).
 
     ``header`` is the 8-byte length and the JSON header; ``tensors`` are contiguous CPU
-    tensors in data order. ``chunks()`` are the byte views to send, in order.
+    tensors in data order, written as ``progress`` says (all of them unless the payload came
+    from ``start_payload`` and is still being filled). ``stream()`` yields the byte views to
+    send, each as soon as it is written; ``chunks()`` waits for all of them.
     """
 
     version: int
     header: bytes
     tensors: tuple[torch.Tensor, ...]
+    progress: FillProgress | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire (the size of the safetensors file)."""
         return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
 
+    def stream(self) -> Iterator[memoryview]:
+        """The header, then each tensor's bytes (zero-copy) once it is written."""
+        yield memoryview(self.header)
+        for index, tensor in enumerate(self.tensors):
+            if self.progress is not None:
+                self.progress.wait_for(index + 1)
+            if tensor.numel():
+                yield _byte_view(tensor)
+
     def chunks(self) -> list[memoryview]:
-        """The header and each tensor's bytes, zero-copy."""
-        return [memoryview(self.header), *(_byte_view(t) for t in self.tensors if t.numel())]
+        """The header and each tensor's bytes, zero-copy (waits until all are written)."""
+        return list(self.stream())
 
     def to_bytes(self) -> bytes:
         """The whole payload as one ``bytes`` (a safetensors file)."""
@@ -212,27 +312,83 @@ def compress_state(
     parameters while a payload is being sent. fp8 scales come from one ``aminmax`` per tensor.
     With ``pool`` the wire tensors (and the fp8 scratch) are taken from it.
     """
+    pending = start_payload(0, state, compression, pool=pool)
+    pending.fill()
+    return dict(zip(pending.sources, pending.payload.tensors, strict=True)), pending.scales
+
+
+@dataclass(frozen=True)
+class PendingPayload:
+    """A payload announced before its tensors are written: ``fill`` writes them in data order
+    (snapshot and compression in one pass per tensor) while readers stream what is ready."""
+
+    payload: WirePayload
+    sources: dict[str, torch.Tensor]
+    scales: dict[str, float]
+    pool: TensorPool | None
+
+    def fill(self) -> WirePayload:
+        """Write every wire tensor; on failure the payload's readers are aborted, then raise."""
+        progress = self.payload.progress
+        assert progress is not None
+        try:
+            scratch = _take(self.pool, "#scratch", [_CHUNK], torch.float32) if self.scales else None
+            for (name, source), packed in zip(
+                self.sources.items(), self.payload.tensors, strict=True
+            ):
+                if scratch is None or name not in self.scales:
+                    packed.copy_(source)
+                else:
+                    _fp8_encode_into(source, self.scales[name], packed, scratch)
+                progress.advance()
+        except BaseException:
+            progress.abort()
+            raise
+        return self.payload
+
+
+def start_payload(
+    version: int,
+    state: Mapping[str, torch.Tensor],
+    compression: Compression = "none",
+    *,
+    published_at: float = 0.0,
+    pool: TensorPool | None = None,
+) -> PendingPayload:
+    """The header and (unwritten) wire tensors of ``state`` as ``version``; ``fill()`` writes
+    them. Non-finite fp8 inputs and unknown compressions raise here, before anything is sent."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
     sources = {name: t.detach().to("cpu") for name, t in state.items()}
     scales = _fp8_scales(sources) if compression == "fp8" else {}
-    wire: dict[str, torch.Tensor] = {}
-    for name, source in sources.items():
-        target = wire_dtype(source.dtype, compression)
-        packed = _take(pool, name, source.shape, target)
-        if name not in scales:
-            wire[name] = packed.copy_(source)
-            continue
-        scratch = _take(pool, "#scratch", [max(1, source.numel())], torch.float32)
-        scaled = scratch[: source.numel()].view(source.shape)
-        if source.dtype == torch.float32:
-            torch.div(source, scales[name], out=scaled)
+    wire = {
+        name: _take(pool, name, source.shape, wire_dtype(source.dtype, compression))
+        for name, source in sources.items()
+    }
+    header = _header(version, published_at, compression, sources, wire, scales)
+    payload = WirePayload(version, header, tuple(wire.values()), FillProgress(len(wire)))
+    return PendingPayload(payload, sources, scales, pool)
+
+
+def _fp8_encode_into(
+    source: torch.Tensor, scale: float, packed: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
+    """``packed <- (source.float() / scale)`` cast to fp8, chunk by chunk through ``scratch``
+    (a float32 tensor of ``_CHUNK`` elements): memory is read once and written once.
+
+    No clamp: ``|x| <= amax`` puts ``x / scale`` within ``448 * (1 + 2**-23)``, and the fp8
+    cast rounds everything below 464 to at most 448 (test_compress_state_fp8_bytes_equal_...).
+    """
+    flat, out = source.reshape(-1), packed.view(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        piece = flat[start : start + _CHUNK]
+        scaled = scratch[: piece.numel()]
+        if piece.dtype == torch.float32:
+            torch.div(piece, scale, out=scaled)
         else:  # divide in float32, as compress_tensor does, not in the source's precision
-            scaled.copy_(source).div_(scales[name])
-        # No clamp: |x| <= amax puts x / scale within 448 * (1 + 2**-23), and the fp8 cast rounds
-        # everything below 464 to at most 448 (test_compress_state_fp8_bytes_equal_...).
-        wire[name] = packed.copy_(scaled)
-    return wire, scales
+            scaled.copy_(piece).div_(scale)
+        out[start : start + piece.numel()].copy_(scaled)
+    return packed
 
 
 def _fp8_scales(sources: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -268,11 +424,22 @@ def build_payload(
 ) -> WirePayload:
     """Compress ``state`` (any device) into a ``WirePayload`` for ``version`` (wire tensors
     taken from ``pool`` when given)."""
-    wire, scales = compress_state(state, compression, pool=pool)
+    return start_payload(version, state, compression, published_at=published_at, pool=pool).fill()
+
+
+def _header(
+    version: int,
+    published_at: float,
+    compression: Compression,
+    sources: Mapping[str, torch.Tensor],
+    wire: Mapping[str, torch.Tensor],
+    scales: Mapping[str, float],
+) -> bytes:
+    """The safetensors length prefix and JSON header (padded to 8 bytes) for ``wire``."""
     dtypes = {
-        name: str(state[name].dtype).removeprefix("torch.")
+        name: str(sources[name].dtype).removeprefix("torch.")
         for name, tensor in wire.items()
-        if tensor.dtype != state[name].dtype
+        if tensor.dtype != sources[name].dtype
     }
     metadata = {
         "format": "pt",
@@ -280,7 +447,7 @@ def build_payload(
         "rljob.published_at": repr(published_at),
         "rljob.compression": compression,
         "rljob.dtypes": json.dumps(dtypes),
-        "rljob.scales": json.dumps(scales),
+        "rljob.scales": json.dumps(dict(scales)),
     }
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -296,7 +463,7 @@ def build_payload(
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    return WirePayload(version, struct.pack("<Q", len(encoded)) + encoded, tuple(wire.values()))
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
 def encode_weights(
@@ -336,19 +503,20 @@ def read_payload(
         raise ValueError(f"weights payload: unknown compression {compression!r}")
     dtypes = json.loads(metadata.get("rljob.dtypes", "{}"))
     scales = json.loads(metadata.get("rljob.scales", "{}"))
-    tensors: dict[str, torch.Tensor] = {}
+    wire: dict[str, torch.Tensor] = {}
     position = 0
     for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-        wire = _read_tensor(read_into, name, entry, position, pool)
+        wire[name] = _read_tensor(read_into, name, entry, position, pool)
         position = entry["data_offsets"][1]
-        dtype = _dtype(dtypes.get(name), wire.dtype)
-        tensors[name] = _decompress(wire, scales.get(name), dtype, pool, name)
     return DecodedWeights(
         version=int(metadata["rljob.version"]),
         compression=compression,
         published_at=float(metadata.get("rljob.published_at", "0")),
-        tensors=dict(sorted(tensors.items())),
+        wire=dict(sorted(wire.items())),
         wire_bytes=8 + header_len + position if wire_bytes is None else wire_bytes,
+        scales={name: float(scale) for name, scale in scales.items() if name in wire},
+        dtypes={name: _dtype(dtypes[name], wire[name].dtype) for name in dtypes if name in wire},
+        pool=pool,
     )
 
 
@@ -372,43 +540,43 @@ def _read_tensor(
     return tensor
 
 
-def _decompress(
-    wire: torch.Tensor,
-    scale: float | None,
-    dtype: torch.dtype,
-    pool: TensorPool | None = None,
-    name: str = "",
-) -> torch.Tensor:
-    if scale is None:
-        return wire if wire.dtype == dtype else _take(pool, name, wire.shape, dtype).copy_(wire)
-    out = _fp8_to_float32(wire, scale, _take(pool, name, wire.shape, torch.int32))
-    return out if dtype == torch.float32 else out.to(dtype)
-
-
 _FP8_SIGN_AND_BITS = 0x87F00000 - (1 << 32)  # int32 mask: bit 31 and bits 20..26
 
 
-def _fp8_to_float32(
-    wire: torch.Tensor, scale: float, bits: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``wire.float() * scale`` for float8_e4m3fn, bit-identical and ~5x faster on CPU.
+def _fp8_to_float32(wire: torch.Tensor, scale: float) -> torch.Tensor:
+    """``wire.float() * scale`` for float8_e4m3fn, bit-identical and ~5x faster on CPU."""
+    out = torch.empty(wire.shape, dtype=torch.float32)
+    _fp8_decode_into(wire, scale, out, torch.empty(_CHUNK, dtype=torch.int32))
+    return out
 
-    torch's fp8 -> fp32 cast is scalar code; this moves the bits with three in-place integer
-    ops instead: the byte, sign-extended to int32 and shifted left 24 then arithmetically right
-    4, has the sign in bit 31 and exponent+mantissa in bits 20..26 once the copies of the sign
-    in bits 27..30 are masked off. That float32 is the fp8 value times 2**-120 (exact for normal
-    and subnormal values); one multiply by ``scale * 2**120`` restores it. ``bits`` is an
-    int32 tensor of ``wire``'s shape to write into. fp8 NaN (never produced by
-    ``compress_state``, whose values stay within 448) reads as +-480 * scale.
+
+def _fp8_decode_into(
+    wire: torch.Tensor, scale: float, target: torch.Tensor, bits: torch.Tensor
+) -> None:
+    """``target <- wire.float() * scale`` (``target`` contiguous, on CPU, any float dtype),
+    chunk by chunk through ``bits`` (an int32 tensor of ``_CHUNK`` elements, kept in cache).
+
+    torch's fp8 -> fp32 cast is scalar code; this moves the bits with two in-place integer ops
+    instead: the byte, sign-extended to int32 and shifted left 20, has exponent+mantissa in bits
+    20..26 and copies of the sign in bits 27..31; masking off bits 27..30 leaves the sign in
+    bit 31. That float32 is the fp8 value times 2**-120 (exact for normal
+    and subnormal values); one multiply by ``scale * 2**120``, written into ``target``, restores
+    it. fp8 NaN (never produced by ``compress_state``, whose values stay within 448) reads as
+    +-480 * scale.
     """
-    out = torch.empty(wire.shape, dtype=torch.int32) if bits is None else bits
-    out.copy_(wire.view(torch.int8))
-    out.bitwise_left_shift_(24).bitwise_right_shift_(4).bitwise_and_(_FP8_SIGN_AND_BITS)
-    values = out.view(torch.float32)
+    codes, out = wire.reshape(-1).view(torch.int8), target.view(-1)
     factor = scale * 2.0**120
-    if factor < 3.0e38:
-        return values.mul_(factor)
-    return values.mul_(2.0**120).mul_(scale)
+    for start in range(0, codes.numel(), _CHUNK):
+        piece = codes[start : start + _CHUNK]
+        chunk = bits[: piece.numel()]
+        chunk.copy_(piece)
+        chunk.bitwise_left_shift_(20).bitwise_and_(_FP8_SIGN_AND_BITS)
+        values = chunk.view(torch.float32)
+        if factor >= 3.0e38:
+            values.mul_(2.0**120)
+        torch.mul(
+            values, factor if factor < 3.0e38 else scale, out=out[start : start + piece.numel()]
+        )
 
 
 def _fill(read_into: ReadInto, view: memoryview, what: str) -> None:

@@ -9,10 +9,16 @@ time fetches the current version with one request. Endpoints (job token required
   up to ``S`` seconds (capped at 60) for a newer version, else answers 204.
 - ``GET /v1/weights/version`` — ``{"version": N | null}``.
 
-The payload streams both ways: the server writes each wire tensor from its own memory and the
-client reads each one straight into the tensor it returns (``codec.read_payload``), so neither
-side builds the whole model as one ``bytes``. The body is an ordinary safetensors file, so a
-client or server from before streaming still reads it.
+The payload streams end to end: ``publish`` announces the new version before it writes the
+snapshot, and the server sends each tensor as soon as it is written (a waiting rollout receives
+tensor ``i`` while the trainer copies tensor ``i + 1``; ``publish`` still returns only once the
+snapshot is complete, so the trainer may then change its parameters). The client reads each
+tensor straight into the tensor it returns (``codec.read_payload``), and
+``RolloutEngine.load_weights(version, received.weights)`` decompresses straight into the
+engine's parameters: neither side builds the whole model as one ``bytes``. A publish that fails
+half-way cuts the rollouts reading it (they see ``ConnectionError`` and fetch again) and leaves
+the previous version the latest. The body is an ordinary safetensors file, so a client or server
+from before streaming still reads it.
 
 Latency (publish → usable on the receiver) is measured as wall-clock receipt-after-decode minus
 the publish time stamped in the payload: exact on one host, subject to clock skew across hosts.
@@ -45,9 +51,9 @@ from rljob_workers.weightsync.codec import (
     DecodedWeights,
     TensorPool,
     WirePayload,
-    build_payload,
     raw_nbytes,
     read_payload,
+    start_payload,
 )
 
 _T = TypeVar("_T")
@@ -132,7 +138,11 @@ class WeightServer:
         return self._version
 
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> PublishReport:
-        """Encode ``state`` as ``version`` and make it the latest; versions must increase."""
+        """Encode ``state`` as ``version`` and make it the latest; versions must increase.
+
+        Rollouts already waiting start receiving while the snapshot is written; this returns
+        once it is complete.
+        """
         with self._publishing:
             if self._version is not None and version <= self._version:
                 raise ValueError(f"version: {version} is not newer than published {self._version}")
@@ -142,13 +152,20 @@ class WeightServer:
                 )
             pool = None if index is None else self._pools[index]
             start = time.perf_counter()
-            payload = build_payload(
+            pending = start_payload(
                 version, state, self.compression, published_at=self._clock(), pool=pool
             )
-            encode_ms = (time.perf_counter() - start) * 1000
             with self._changed:
-                self._payload, self._version, self._latest_pool = payload, version, index
+                previous = self._payload, self._version, self._latest_pool
+                self._payload, self._version, self._latest_pool = pending.payload, version, index
                 self._changed.notify_all()
+            try:
+                payload = pending.fill()
+            except BaseException:
+                with self._changed:
+                    self._payload, self._version, self._latest_pool = previous
+                raise
+            encode_ms = (time.perf_counter() - start) * 1000
         return PublishReport(version, raw_nbytes(state), payload.nbytes, encode_ms)
 
     def start(self) -> WeightServer:
@@ -191,7 +208,8 @@ class WeightServer:
             200,
             content_type="application/octet-stream",
             headers=headers,
-            chunks=tuple(payload.chunks()),
+            chunks=payload.stream(),
+            length=payload.nbytes,
             sent=None if index is None else lambda: self._reader_done(index),
         )
 
