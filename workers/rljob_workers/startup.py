@@ -1,0 +1,60 @@
+"""Where a worker's start-up goes: seconds per phase, from the process's own start to its loop.
+
+A ``StartupClock`` is started with the process's start time (``process_started_at``: the kernel's
+record, so the interpreter's own start-up and the imports before ``main`` count too) and marks the
+end of each phase; ``phases()`` gives ``{"startup_<phase>_s": seconds}``, which the colocated actor
+puts into its first step record (and so into ``metrics-actor-<rank>.jsonl`` and ``summary.json``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["StartupClock", "process_started_at"]
+
+
+def process_started_at(stat_path: str | Path = "/proc/self/stat") -> float | None:
+    """Unix time at which this process started (Linux ``/proc``), or None where unknown."""
+    try:
+        fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        ticks = float(os.sysconf("SC_CLK_TCK"))
+    except (OSError, IndexError, StopIteration, ValueError):
+        return None
+    return boot + float(fields[19]) / ticks  # field 22 of stat: starttime, in clock ticks
+
+
+class StartupClock:
+    """Marks the end of each start-up phase; each phase lasts from the previous mark.
+
+    Args:
+        started_at: unix time the first phase began (default: the process's start, else now).
+        now: the wall clock (injected by tests).
+    """
+
+    def __init__(
+        self, started_at: float | None = None, *, now: Callable[[], float] = time.time
+    ) -> None:
+        self._now = now
+        start = started_at if started_at is not None else process_started_at()
+        self._last = start if start is not None else self._now()
+        self._phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> float:
+        """End ``phase`` now; returns its seconds (a repeated phase adds up)."""
+        now = self._now()
+        seconds = max(0.0, now - self._last)
+        self._phases[phase] = self._phases.get(phase, 0.0) + seconds
+        self._last = now
+        return seconds
+
+    def phases(self) -> dict[str, float]:
+        """``{"startup_<phase>_s": seconds}`` in the order the phases ended."""
+        return {f"startup_{name}_s": seconds for name, seconds in self._phases.items()}
