@@ -1,32 +1,29 @@
-"""Our colocated GRPO loop beside TRL's ``GRPOTrainer`` (a benchmark: prints numbers, never pass/fail).
+"""Our colocated GRPO loop beside TRL's ``GRPOTrainer`` (a benchmark: numbers, never pass/fail).
 
-Both run alternately (the order flips every seed), on the same tiny model, the same built-in task and
-reward, the same CPU and matched settings, taken from ``examples/grpo-colocated.yaml``:
+Both run alternately (the order flips every seed) on the same tiny model, the same built-in task
+and reward, the same CPU and matched settings, taken from ``examples/grpo-colocated.yaml``:
 
-==========================  ===============================  ======================================
-setting                     ours (the example)               TRL ``GRPOConfig``
-==========================  ===============================  ======================================
-group size                  ``groupSize: 8``                 ``num_generations=8``
-prompts per step            ``batchSize: 16``                ``generation_batch_size`` 128 = 16 x 8
-updates per step            2 epochs x 2 minibatches = 4     ``num_iterations=2``, ``steps_per_generation=2``
-minibatch                   8 prompts = 64 completions       ``per_device_train_batch_size=64``
-max tokens, temperature     4, 1.0 (top-p 1.0)               ``max_completion_length=4``, 1.0, top-k off
-KL                          β 0.05, k3 to the start model    ``beta=0.05`` (k3 to the start model)
-clip                        ε 0.2 / 0.2                      ``epsilon=0.2`` (``epsilon_high`` = ε)
-lr                          2e-3 constant, AdamW wd 0        ``learning_rate=2e-3``, constant, no warm-up
-grad clip, Adam ε           1.0, 1e-8                        ``max_grad_norm=1.0``, ``adam_epsilon=1e-8``
-advantages                  group mean / std                 ``scale_rewards="group"``
-loss aggregation            token mean per minibatch         ``loss_type="bnpo"``
-dtype, device, threads      float32, CPU, ``--threads``      float32, ``use_cpu``, ``--threads``
-checkpoints                 none in the run                  ``save_strategy="no"``
-==========================  ===============================  ======================================
+- group size: ``groupSize: 8`` / ``num_generations=8``;
+- prompts per step: ``batchSize: 16`` / ``generation_batch_size`` 128 = 16 x 8;
+- updates per step: 2 epochs x 2 minibatches of 8 prompts (64 completions) = 4 /
+  ``num_iterations=2``, ``steps_per_generation=2``, ``per_device_train_batch_size=64``;
+- max tokens 4, temperature 1.0, top-p 1.0 / ``max_completion_length=4``, 1.0, 1.0, ``top_k=0``;
+- KL: β 0.05, k3 to the start model / ``beta=0.05`` (TRL's k3 to its reference copy);
+- clip ε 0.2 both sides / ``epsilon=0.2``;
+- lr 2e-3 constant, AdamW, weight decay 0, ε 1e-8, grad-norm clip 1.0 / the same in ``GRPOConfig``
+  (``lr_scheduler_type="constant"``, no warm-up);
+- advantages: group mean / std / ``scale_rewards="group"``;
+- loss aggregation: token mean per minibatch / ``loss_type="bnpo"``;
+- float32, CPU, the same torch threads (``--threads``, 1 by default: on a loaded 2-core box two
+  OpenMP threads per process stall, see the module's README entry); no checkpoints in the run /
+  ``save_strategy="no"``.
 
-Not matched: generation (ours: vLLM in-process, TRL: ``transformers.generate``); TRL saves the model
+Not matched: generation (ours: vLLM in process, TRL: ``transformers.generate``); TRL saves the model
 when ``train()`` ends (outside its loop, inside its wall time); prompt order (each side's sampler).
 
-Per system: wall time, completions/s end to end (wall) and in the loop (first step start → last
-step end), start-up outside the loop by phase, per-step generate / train / reload ms (medians), peak
-RSS, final reward (mean of the last 10 steps), per seed and 3-seed mean; ratios in the same run.
+Per system: wall time, completions/s end to end (wall) and in the loop (first step start -> last
+step end), start-up outside the loop by phase, per-step generate / train / reload ms (medians),
+peak RSS, final reward (mean of the last 10 steps), per seed and 3-seed mean; ratios in one run.
 TRL comes from PyPI into ``~/.cache/rljob-operator/bench-trl-<TRL_VERSION>`` (a venv whose own
 ``site-packages`` sits beside ours; made on first use, keyed by version) and runs in a subprocess
 (``bench/trl_grpo_run.py``): it is never a dependency of this project and our venv is untouched.
@@ -73,7 +70,9 @@ def ensure_trl_env(version: str) -> Path:
     python = venv / "bin" / "python"
     if (venv / ".complete").exists():
         return python
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--clear", str(venv)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", "--clear", str(venv)], check=True
+    )
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -92,11 +91,8 @@ def ensure_trl_env(version: str) -> Path:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
         constraints.write("\n".join(pins) + "\n")
     # our packages are pinned as constraints: pip adds only what TRL needs beyond them
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-        + [f"trl=={version}", "-c", constraints.name],
-        check=True,
-    )
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, f"trl=={version}", "-c", constraints.name], check=True)
     (venv / ".complete").touch()
     return python
 
@@ -136,7 +132,7 @@ def our_config(model: Path, *, seed: int, steps: int, actors: int, workdir: Path
     spec["trainer"]["replicas"] = actors
     spec["totalSteps"] = steps
     spec["seed"] = seed
-    spec["checkpoint"] = {"everySteps": 0}  # TRL saves nothing either
+    spec["checkpoint"] = {"everySteps": 1_000_000}  # none in the run: TRL saves none either
     job = parse_any_version(raw)
     topology, _ = resolve_topology(job.spec)
     return build_worker_config(job.spec, JobRef("trl-bench", "local", ""), topology).model_copy(
@@ -186,7 +182,9 @@ def run_ours(
         "step_ms": statistics.median(step[1:]),
         "generate_ms": statistics.median(generate[1:]),
         "reload_ms": statistics.median(reload[1:]),
-        "train_ms": statistics.median(s - g - r for s, g, r in zip(step, generate, reload))
+        "train_ms": statistics.median(
+            s - g - r for s, g, r in zip(step, generate, reload, strict=True)
+        )
         if len(step) > 1
         else None,
         "peak_rss_mb": sum(
@@ -224,7 +222,12 @@ def run_trl(
     load = os.getloadavg()[0]
     started = time.monotonic()
     done = subprocess.run(
-        [str(python), str(REPO / "bench" / "trl_grpo_run.py"), str(settings_path), str(result_path)],
+        [
+            str(python),
+            str(REPO / "bench" / "trl_grpo_run.py"),
+            str(settings_path),
+            str(result_path),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -248,7 +251,7 @@ def run_trl(
         "step_ms": statistics.median(step[1:]),
         "generate_ms": statistics.median(generate[1:]),
         "reload_ms": 0.0,  # generation runs on the trained model itself
-        "train_ms": statistics.median(s - g for s, g in zip(step[1:], generate[1:], strict=False)),
+        "train_ms": statistics.median(s - g for s, g in zip(step[1:], generate[1:], strict=True)),
         "peak_rss_mb": float(raw["peak_rss_mb"]),
         "final_reward": statistics.fmean(raw["batch_rewards"][-FINAL_WINDOW:]),
         "load_1min_before_after": [round(load, 2), round(os.getloadavg()[0], 2)],
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--actors", default="1", help="our actor counts, e.g. 1,2")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-trl", action="store_true", help="ours only (no TRL install)")
     parser.add_argument("--out", type=Path, default=RESULTS / "trl_bench.json")
     args = parser.parse_args(argv)
@@ -313,14 +316,22 @@ def main(argv: list[str] | None = None) -> int:
                 if name.startswith("TRL"):
                     assert python is not None
                     run = run_trl(
-                        python, model, seed=seed, steps=args.steps, threads=args.threads,
+                        python,
+                        model,
+                        seed=seed,
+                        steps=args.steps,
+                        threads=args.threads,
                         workdir=workdir,
                     )
                 else:
                     actors = int(name.split(", ")[1].split()[0])
                     threads = max(1, args.threads // actors)
                     run = run_ours(
-                        model, seed=seed, steps=args.steps, actors=actors, threads=threads,
+                        model,
+                        seed=seed,
+                        steps=args.steps,
+                        actors=actors,
+                        threads=threads,
                         workdir=workdir,
                     )
                 run["seed"] = seed
@@ -411,10 +422,18 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     names = list(summary)
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
     x = range(len(names))
-    a.bar([i - 0.2 for i in x], [summary[n]["completions_per_s_wall"] for n in names], 0.4,
-          label="end to end")
-    a.bar([i + 0.2 for i in x], [summary[n]["completions_per_s_loop"] for n in names], 0.4,
-          label="in the loop")
+    a.bar(
+        [i - 0.2 for i in x],
+        [summary[n]["completions_per_s_wall"] for n in names],
+        0.4,
+        label="end to end",
+    )
+    a.bar(
+        [i + 0.2 for i in x],
+        [summary[n]["completions_per_s_loop"] for n in names],
+        0.4,
+        label="in the loop",
+    )
     a.set_xticks(list(x), names, rotation=15, fontsize=8)
     a.set_ylabel("completions/s (median of seeds)")
     a.legend(fontsize=8)

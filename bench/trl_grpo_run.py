@@ -9,6 +9,7 @@ Usage: python bench/trl_grpo_run.py SETTINGS.json RESULT.json
 
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import sys
@@ -121,7 +122,7 @@ def main(settings_path: str, result_path: str) -> int:
     trainer.train()
     per_gen = settings["epochs"] * settings["minibatches"]
     bounds = step_ends[::per_gen]
-    step_s = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    step_s = [b - a for a, b in itertools.pairwise(bounds)]
     phases["first_step_s"] = step_s[0] if step_s else float("nan")
     result = {
         "phases": phases,

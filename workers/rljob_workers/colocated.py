@@ -562,8 +562,9 @@ def run_colocated(
 
     Every step is appended to ``<output_dir>/metrics-actor-<rank>.jsonl`` (the first one also
     with ``startup_<phase>_s``: imports, process_group, model_load, engine_start, task_load,
-    resume, reporting; see ``StartupClock``), exported on the Prometheus endpoint (``endpoints.metrics_port``; 0 picks a free port) and reported to the
-    operator as a ``Progress`` heartbeat.
+    resume, reporting; see ``StartupClock``), exported on the Prometheus endpoint
+    (``endpoints.metrics_port``; 0 picks a free port) and reported to the operator as a
+    ``Progress`` heartbeat.
     """
     clock = StartupClock()
     clock.mark("imports")

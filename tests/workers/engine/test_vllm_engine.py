@@ -75,6 +75,17 @@ def test_vllm_engine_protocol_satisfied(vllm_engine):
     assert vllm_engine.in_process and vllm_engine.weights_version == 0
 
 
+def test_vllm_generate_default_compiles_nothing(vllm_engine):
+    """vLLM's sampler runs eagerly: no dynamo frame is compiled on a (re)started generate."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # forget any compiled code, so a compiling sampler would compile again
+    before = counters["frames"]["total"]
+    vllm_engine.generate(PROMPTS, n=2, max_tokens=4, seed=3)
+    assert counters["frames"]["total"] == before
+
+
 def test_vllm_greedy_equals_hf_ids_and_logprobs(vllm_engine, hf_engine):
     _assert_greedy_agree(vllm_engine, hf_engine)
 

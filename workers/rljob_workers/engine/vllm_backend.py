@@ -16,6 +16,12 @@ Log-probabilities are those of the sampling distribution (``logprobs_mode="proce
 ``SamplingParams(logprobs=0)``): ``log_softmax`` of the logits after temperature and top-p,
 exactly what the transformers backend returns.
 
+vLLM wraps its sampler's log-prob gather in ``torch.compile`` even with ``enforce_eager``: the first
+``generate`` of a process then spends seconds in dynamo and inductor (5-10 s on the 2-core box; a
+C++ compiler must be present) for an op that ran no faster compiled (101 vs 103 ms a step, tiny
+model, same tokens and log-probs). ``compile_sampler=False`` (the default) runs it eagerly: dynamo
+is off while this engine works in process, ``TORCHDYNAMO_DISABLE=1`` for its engine-core processes.
+
 Sleep mode exists only on GPU platforms: ``sleep()`` / ``wake()`` call ``LLM.sleep`` /
 ``LLM.wake_up`` there and are documented no-ops on CPU.
 """
@@ -61,14 +67,21 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
         engine_args: Mapping[str, Any] | None = None,
+        compile_sampler: bool = False,
     ) -> None:
         """Start a vLLM engine on the local checkpoint ``model_path``.
+
+        ``compile_sampler`` lets vLLM ``torch.compile`` its sampler (see the module docstring).
 
         ``enable_sleep_mode=None`` turns sleep mode on where the platform supports it (GPU).
         ``sleep_level`` 1 offloads weights to host memory; 2 discards them, so a ``load_weights``
         must follow ``wake``. ``engine_args`` are passed through to ``vllm.LLM``.
         """
-        _prepare_environment(in_process=in_process, kv_cache_space_gib=kv_cache_space_gib)
+        _prepare_environment(
+            in_process=in_process,
+            kv_cache_space_gib=kv_cache_space_gib,
+            compile_sampler=compile_sampler,
+        )
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -78,6 +91,7 @@ class VLLMEngine:
         self._sleep_level = sleep_level
         self._asleep = False
         self._in_process = in_process
+        self._compile_sampler = compile_sampler
         self._stream = random.Random(seed)
         self._version = 0
         args: dict[str, Any] = {
@@ -94,7 +108,7 @@ class VLLMEngine:
         if not current_platform.is_cpu():
             args["gpu_memory_utilization"] = gpu_memory_utilization
         args.update(engine_args or {})
-        with _preserve_process_state(enabled=in_process):
+        with _preserve_process_state(enabled=in_process), self._eager():
             self._llm = LLM(**args)
         self.tokenizer = self._llm.get_tokenizer()
         self._tied = _tied_weight_aliases(self._llm.llm_engine.model_config.hf_config)
@@ -141,7 +155,8 @@ class VLLMEngine:
             for request_seed in request_seeds(seed, len(prompt_ids), self._stream)
         ]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        with self._eager():
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
         return [
             self._completion(index, prompt_ids[index], sample)
             for index, output in enumerate(outputs)
@@ -199,6 +214,15 @@ class VLLMEngine:
         """Shut the engine core (and its processes, in multiprocess mode) down."""
         self._llm.llm_engine.engine_core.shutdown()
 
+    def _eager(self) -> contextlib.AbstractContextManager[Any]:
+        """Dynamo off while the in-process engine works, unless ``compile_sampler``."""
+        if self._compile_sampler or not self._in_process:
+            return contextlib.nullcontext()
+        import torch._dynamo
+
+        patch: contextlib.AbstractContextManager[Any] = torch._dynamo.config.patch(disable=True)
+        return patch
+
     def _reload(self, **kwargs: Any) -> None:
         self._llm.collective_rpc("reload_weights", kwargs=kwargs)
         self._llm.reset_prefix_cache()
@@ -222,9 +246,13 @@ class VLLMEngine:
         )
 
 
-def _prepare_environment(*, in_process: bool, kv_cache_space_gib: int) -> None:
+def _prepare_environment(
+    *, in_process: bool, kv_cache_space_gib: int, compile_sampler: bool = False
+) -> None:
     """Set the vLLM environment before vllm is imported (explicit settings win)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if not in_process and not compile_sampler:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # read by the engine-core processes
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
