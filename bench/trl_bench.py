@@ -28,7 +28,10 @@ TRL comes from PyPI into ``~/.cache/rljob-operator/bench-trl-<TRL_VERSION>`` (a 
 ``site-packages`` sits beside ours; made on first use, keyed by version) and runs in a subprocess
 (``bench/trl_grpo_run.py``): it is never a dependency of this project and our venv is untouched.
 Writes bench/results/trl_bench.{json,png}.
-Usage: .venv/bin/python -m bench.trl_bench [--seeds 3] [--steps 100] [--actors 1,2] [--no-trl]
+Ours runs with each rollout engine (``--engines vllm,hf``: vLLM in process, as the example, and
+the transformers engine, as TRL generates) and each actor count (``--actors 1,2``).
+Usage: .venv/bin/python -m bench.trl_bench [--seeds 3] [--steps 100] [--actors 1,2]
+       [--engines vllm,hf] [--no-trl]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 EXAMPLE = REPO / "examples" / "grpo-colocated.yaml"
 CACHE = Path(os.environ.get("RLJOB_CACHE", Path.home() / ".cache" / "rljob-operator"))
+TRL_NAME = "TRL, HF generate"
 FINAL_WINDOW = 10
 """Final reward: the mean over the last this-many steps."""
 
@@ -120,7 +124,9 @@ def example_settings() -> dict[str, Any]:
     }
 
 
-def our_config(model: Path, *, seed: int, steps: int, actors: int, workdir: Path) -> Any:
+def our_config(
+    model: Path, *, seed: int, steps: int, actors: int, workdir: Path, engine: str = "vllm"
+) -> Any:
     """The example's worker config through the operator's own API and builders."""
     from rljob_operator.api import resolve_topology
     from rljob_operator.builders import JobRef, build_worker_config
@@ -130,6 +136,7 @@ def our_config(model: Path, *, seed: int, steps: int, actors: int, workdir: Path
     spec = raw["spec"]
     spec["model"]["path"] = str(model)
     spec["trainer"]["replicas"] = actors
+    spec["rollout"]["engine"] = engine
     spec["totalSteps"] = steps
     spec["seed"] = seed
     spec["checkpoint"] = {"everySteps": 1_000_000}  # none in the run: TRL saves none either
@@ -141,13 +148,23 @@ def our_config(model: Path, *, seed: int, steps: int, actors: int, workdir: Path
 
 
 def run_ours(
-    model: Path, *, seed: int, steps: int, actors: int, threads: int | None, workdir: Path
+    model: Path,
+    *,
+    seed: int,
+    steps: int,
+    actors: int,
+    engine: str,
+    threads: int | None,
+    workdir: Path,
 ) -> dict[str, Any]:
     """One local run of our colocated loop with ``actors`` actors; its numbers."""
     from rljob_workers.local_runner import run_local
 
-    config = our_config(model, seed=seed, steps=steps, actors=actors, workdir=workdir)
+    config = our_config(
+        model, seed=seed, steps=steps, actors=actors, workdir=workdir, engine=engine
+    )
     load = os.getloadavg()[0]
+    started_unix = time.time()
     started = time.monotonic()
     result = run_local(
         config,
@@ -172,7 +189,11 @@ def run_ours(
         for k, v in first.items()
         if k.startswith("startup_")
     }
+    loop_start = float(first["time"]) - float(first["step_time_s"])
+    # the runner's share: start -> the process's own start, and the loop's end -> all exited
+    phases["spawn"] = loop_start - sum(phases.values()) - started_unix
     phases["first_step"] = float(first["step_time_s"])
+    phases["teardown"] = started_unix + wall - float(records[-1]["time"])
     return {
         "ok": True,
         "wall_s": wall,
@@ -220,6 +241,7 @@ def run_trl(
         "TOKENIZERS_PARALLELISM": "false",
     }
     load = os.getloadavg()[0]
+    started_unix = time.time()
     started = time.monotonic()
     done = subprocess.run(
         [
@@ -242,6 +264,8 @@ def run_trl(
     generate = [s * 1e3 for s in raw["generate_s"]]
     phases = dict(raw["phases"])
     phases = {k.removesuffix("_s"): float(v) for k, v in phases.items()}
+    phases["spawn"] = float(raw["process_start_unix"]) - started_unix
+    phases["teardown"] = started_unix + wall - float(raw["loop_end_unix"])
     return {
         "ok": True,
         "wall_s": wall,
@@ -294,15 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--actors", default="1", help="our actor counts, e.g. 1,2")
+    parser.add_argument("--engines", default="vllm,hf", help="our rollout engines")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-trl", action="store_true", help="ours only (no TRL install)")
     parser.add_argument("--out", type=Path, default=RESULTS / "trl_bench.json")
     args = parser.parse_args(argv)
-    actor_counts = [int(a) for a in args.actors.split(",")]
+    systems = [
+        (f"ours, {engine}, {actors} actor(s)", engine, actors)
+        for engine in args.engines.split(",")
+        for actors in (int(a) for a in args.actors.split(","))
+    ]
     python = None if args.no_trl else ensure_trl_env(trl_version())
-    runs: dict[str, list[dict[str, Any]]] = {f"ours, {a} actor(s)": [] for a in actor_counts}
     if python is not None:
-        runs["TRL, HF generate"] = []
+        systems.append((TRL_NAME, "hf-generate", 0))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in systems}
     started = time.time()
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
@@ -310,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
 
         model = build_tiny_model(Path(tmp) / "tiny", seed=0)
         for seed in range(args.seeds):
-            names = list(runs)
-            for name in names if seed % 2 == 0 else names[::-1]:  # alternate the order
-                workdir = Path(tmp) / f"{name.split(',')[0]}-{len(runs[name])}-{seed}"
-                if name.startswith("TRL"):
+            for index, (name, engine, actors) in enumerate(
+                systems if seed % 2 == 0 else systems[::-1]  # alternate the order
+            ):
+                workdir = Path(tmp) / f"run-{seed}-{index}"
+                if actors == 0:
                     assert python is not None
                     run = run_trl(
                         python,
@@ -324,14 +354,13 @@ def main(argv: list[str] | None = None) -> int:
                         workdir=workdir,
                     )
                 else:
-                    actors = int(name.split(", ")[1].split()[0])
-                    threads = max(1, args.threads // actors)
                     run = run_ours(
                         model,
                         seed=seed,
                         steps=args.steps,
                         actors=actors,
-                        threads=threads,
+                        engine=engine,
+                        threads=max(1, args.threads // actors),
                         workdir=workdir,
                     )
                 run["seed"] = seed
@@ -370,7 +399,7 @@ def _brief(run: dict[str, Any]) -> str:
 
 
 def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    trl = summary.get("TRL, HF generate")
+    trl = summary.get(TRL_NAME)
     if not trl or not trl.get("ok"):
         return {}
     out = {}

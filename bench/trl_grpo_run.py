@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
+from rljob_workers.startup import process_started_at
 
-PROCESS_START = psutil.Process().create_time()
+PROCESS_START = process_started_at() or time.time()
 
 
 def main(settings_path: str, result_path: str) -> int:

@@ -73,10 +73,13 @@ def test_summarize_medians_rates_and_mean_reward() -> None:
 @pytest.mark.slow
 def test_trl_bench_ours_only_smoke_writes_phases_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "trl_bench.json"
-    assert main(["--no-trl", "--seeds", "1", "--steps", "3", "--out", str(out)]) == 0
+    assert (
+        main(["--no-trl", "--engines", "vllm", "--seeds", "1", "--steps", "3", "--out", str(out)])
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["trl_version"] is None and result["ratios_ours_over_trl"] == {}
-    ours = result["summary"]["ours, 1 actor(s)"]
+    ours = result["summary"]["ours, vllm, 1 actor(s)"]
     assert ours["ok"] == 1
     assert {"imports", "model_load", "engine_start", "first_step"} <= set(ours["startup_phases_s"])
     assert ours["completions_per_s_loop"] > ours["completions_per_s_wall"] > 0
