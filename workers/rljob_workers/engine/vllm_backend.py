@@ -76,16 +76,14 @@ class VLLMEngine:
         """Start a vLLM engine on the local checkpoint ``model_path``.
 
         ``compile_sampler`` lets vLLM ``torch.compile`` its sampler (see the module docstring).
+        On CPU the KV cache is sized to the model (``kv_cache_bytes``), at most
+        ``kv_cache_space_gib``; ``VLLM_CPU_KVCACHE_SPACE`` in the environment overrides both.
 
         ``enable_sleep_mode=None`` turns sleep mode on where the platform supports it (GPU).
         ``sleep_level`` 1 offloads weights to host memory; 2 discards them, so a ``load_weights``
         must follow ``wake``. ``engine_args`` are passed through to ``vllm.LLM``.
         """
-        _prepare_environment(
-            in_process=in_process,
-            kv_cache_space_gib=kv_cache_space_gib,
-            compile_sampler=compile_sampler,
-        )
+        _prepare_environment(in_process=in_process, compile_sampler=compile_sampler)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -111,6 +109,10 @@ class VLLMEngine:
             args["distributed_executor_backend"] = "uni"
         if not current_platform.is_cpu():
             args["gpu_memory_utilization"] = gpu_memory_utilization
+        elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that legacy setting wins in vLLM
+            args["kv_cache_memory_bytes"] = kv_cache_bytes(
+                model_path, max_model_len=max_model_len, dtype=dtype, cap_gib=kv_cache_space_gib
+            )
         args.update(engine_args or {})
         with _preserve_process_state(enabled=in_process), self._eager():
             self._llm = LLM(**args)
@@ -251,16 +253,40 @@ class VLLMEngine:
         )
 
 
-def _prepare_environment(
-    *, in_process: bool, kv_cache_space_gib: int, compile_sampler: bool = False
-) -> None:
+def _prepare_environment(*, in_process: bool, compile_sampler: bool = False) -> None:
     """Set the vLLM environment before vllm is imported (explicit settings win)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if not in_process and not compile_sampler:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # read by the engine-core processes
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+KV_CACHE_SEQUENCES = 256
+"""Sequences of ``max_model_len`` tokens a CPU KV cache holds (vLLM's default ``max_num_seqs``)."""
+
+
+def kv_cache_bytes(
+    model_path: str | Path, *, max_model_len: int, dtype: str, cap_gib: float
+) -> int:
+    """A CPU KV cache that holds ``KV_CACHE_SEQUENCES`` full-length sequences, at most ``cap_gib``.
+
+    vLLM's CPU default is a fixed size (1 GiB here), allocated and touched at start-up whatever
+    the model: a tiny model needs ~30 MiB of it, so its engine used ~1 GiB more memory than the
+    weights explain. Models whose full cache would exceed the cap get the cap, as before.
+    """
+    import json
+
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    element = 4 if dtype == "float32" else 2
+    per_token = 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * element
+    block_slack = 128  # each sequence may end in a partly filled block
+    need = per_token * KV_CACHE_SEQUENCES * (max_model_len + block_slack)
+    return int(min(need, cap_gib * 2**30))
 
 
 def _check_process_mode(in_process: bool) -> None:
