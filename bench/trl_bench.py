@@ -29,7 +29,8 @@ TRL comes from PyPI into ``~/.cache/rljob-operator/bench-trl-<TRL_VERSION>`` (a 
 (``bench/trl_grpo_run.py``): it is never a dependency of this project and our venv is untouched.
 Writes bench/results/trl_bench.{json,png}.
 Ours runs with each rollout engine (``--engines vllm,hf``: vLLM in process, as the example, and
-the transformers engine, as TRL generates) and each actor count (``--actors 1,2``).
+the transformers engine, as TRL generates) and each actor count (``--actors 1,2``; counts after
+the first with the first engine only).
 Usage: .venv/bin/python -m bench.trl_bench [--seeds 3] [--steps 100] [--actors 1,2]
        [--engines vllm,hf] [--no-trl]
 """
@@ -323,10 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-trl", action="store_true", help="ours only (no TRL install)")
     parser.add_argument("--out", type=Path, default=RESULTS / "trl_bench.json")
     args = parser.parse_args(argv)
-    systems = [
+    engines = args.engines.split(",")
+    systems = [  # actor counts beyond the first run with the first engine only
         (f"ours, {engine}, {actors} actor(s)", engine, actors)
-        for engine in args.engines.split(",")
-        for actors in (int(a) for a in args.actors.split(","))
+        for position, actors in enumerate(int(a) for a in args.actors.split(","))
+        for engine in (engines if position == 0 else engines[:1])
     ]
     python = None if args.no_trl else ensure_trl_env(trl_version())
     if python is not None:
