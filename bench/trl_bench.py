@@ -471,9 +471,10 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     a.set_title("Throughput")
     bottom = [0.0] * len(names)
     phase_names = sorted({p for s in summary.values() for p in s["startup_phases_s"]})
-    for phase in phase_names:
+    colours = plt.get_cmap("tab20")
+    for position, phase in enumerate(phase_names):
         values = [summary[n]["startup_phases_s"].get(phase, 0.0) for n in names]
-        b.bar(list(x), values, 0.6, bottom=bottom, label=phase)
+        b.bar(list(x), values, 0.6, bottom=bottom, label=phase, color=colours(position))
         bottom = [u + v for u, v in zip(bottom, values, strict=True)]
     b.set_xticks(list(x), names, rotation=15, fontsize=8)
     b.set_ylabel("s")
