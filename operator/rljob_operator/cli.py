@@ -392,6 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     run.add_argument("--workdir", default=None, help="output folder (default runs/<job name>)")
     run.add_argument("--steps", type=int, default=None, help="override spec.totalSteps")
+    run.add_argument(
+        "--actors",
+        type=int,
+        default=None,
+        help="local: colocated actor processes (default spec.trainer.replicas, at most one per "
+        "2 cores)",
+    )
     run.add_argument("--model", default=None, help="local model folder (overrides spec.model.path)")
     run.add_argument(
         "--build-tiny-model",
@@ -413,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for flag, value in (
             ("--workdir", args.workdir),
             ("--steps", args.steps),
+            ("--actors", args.actors),
             ("--model", args.model),
             ("--build-tiny-model", args.build_tiny_model),
         ):
@@ -434,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         model=args.model,
         build_tiny_model=args.build_tiny_model,
+        actors=args.actors,
     )
 
 

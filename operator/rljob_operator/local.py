@@ -7,14 +7,22 @@ processes with a live progress display and a final report.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
 
 import yaml
 
-from rljob_operator.api import SpecError, resolve_topology
-from rljob_operator.builders import JobRef, build_worker_config, role_replicas, roles_for
+from rljob_operator.api import RLJobSpec, SpecError, resolve_topology
+from rljob_operator.builders import (
+    JobRef,
+    Role,
+    Topology,
+    build_worker_config,
+    role_replicas,
+    roles_for,
+)
 from rljob_operator.conversion import parse_any_version
 from rljob_workers.config import Endpoints
 
@@ -23,6 +31,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+CORES_PER_LOCAL_ACTOR = 2
+"""A local colocated actor gets at least this many cores: on 2 cores a second actor process bought
+no throughput (one generates while the other trains, and both contend for the same cores) and
+doubled the memory (measured in bench/trl_bench.py)."""
+
+
+def local_processes(
+    spec: RLJobSpec, topology: Topology, *, cpus: int, actors: int | None = None
+) -> dict[Role, int]:
+    """Processes per role of a local run: the manifest's replicas, except colocated actors.
+
+    Colocated actors are data-parallel copies of one loop (the batch is split over them and their
+    gradients averaged), so fewer processes run the same algorithm. A local run starts
+    ``actors`` of them if given, else ``spec.trainer.replicas`` capped at one per
+    ``CORES_PER_LOCAL_ACTOR`` cores.
+    """
+    processes = {role: role_replicas(spec, role) for role in roles_for(topology)}
+    if "actor" in processes:
+        fitting = max(1, cpus // CORES_PER_LOCAL_ACTOR)
+        processes["actor"] = actors if actors is not None else min(processes["actor"], fitting)
+    return processes
 
 
 def _fail(message: str) -> int:
@@ -37,8 +68,16 @@ def run_manifest_locally(
     steps: int | None = None,
     model: str | None = None,
     build_tiny_model: bool = False,
+    actors: int | None = None,
+    cpus: int | None = None,
 ) -> int:
-    """Validate the manifest, render the worker config, run it locally; returns an exit code."""
+    """Validate the manifest, render the worker config, run it locally; returns an exit code.
+
+    ``actors`` overrides the number of colocated actor processes (see ``local_processes``);
+    ``cpus`` defaults to this machine's.
+    """
+    if actors is not None and actors < 1:
+        return _fail(f"--actors: need at least 1 actor process, got {actors}")
     try:
         raw = yaml.safe_load(Path(manifest).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -86,6 +125,13 @@ def run_manifest_locally(
         config = config.model_copy(update={"total_steps": steps})
     from rljob_workers.local_runner import run_local
 
-    processes = {role: role_replicas(spec, role) for role in roles_for(topology)}
+    processes = local_processes(spec, topology, cpus=cpus or os.cpu_count() or 1, actors=actors)
+    wanted = role_replicas(spec, "actor") if "actor" in processes else 0
+    if "actor" in processes and processes["actor"] != wanted:
+        print(
+            f"rljob: running {processes['actor']} actor process(es) for spec.trainer.replicas "
+            f"{wanted} (same batch and update, split over fewer processes; --actors overrides)",
+            file=sys.stderr,
+        )
     result = run_local(config, workdir=out, processes=processes)
     return 0 if result.ok else 1

@@ -5,6 +5,8 @@ Aspects under test:
   each naming the RLJob field to fix, and writes no metrics;
 - disaggregated jobs: gae is accepted (the trainer runs a critic); the batch need not split
   over the (elastic) rollouts, only over the trainers;
+- a finished worker process exits without interpreter finalization (atexit hooks do not run),
+  its output flushed and its exit code kept;
 - the runner renders a local config (loopback, free ports, paths in the work directory);
 - (slow) two actor processes train together over gloo: live progress, a final table, a JSON
   summary and PNG plots; every rank reports the same all-reduced reward and policy version;
@@ -107,6 +109,24 @@ def test_worker_missing_model_path_exits_before_any_work_naming_field(tmp_path):
     assert str(tmp_path / "no-such-model") in result.stderr
     assert not (tmp_path / "out").exists()
     assert time.monotonic() - started < 120
+
+
+def test_worker_exit_skips_finalization_keeps_code_and_output(tmp_path):
+    config = _config(tmp_path / "no-such-model", output_dir=str(tmp_path / "out"))
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.dump())
+    env = {**os.environ, "RLJOB_ROLE": "actor", "RLJOB_CONFIG": str(config_path)}
+    env["PYTHONPATH"] = str(WORKERS_ROOT)
+    script = (
+        "import atexit, runpy; atexit.register(print, 'finalized', flush=True); "
+        "runpy.run_module('rljob_workers.main', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2
+    assert "invalid configuration: spec.model.path:" in result.stderr
+    assert "finalized" not in result.stdout
 
 
 def test_validate_worker_config_disaggregated_accepts_gae_checks_trainer_counts(tiny_model):

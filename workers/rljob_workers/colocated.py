@@ -54,6 +54,7 @@ from rljob_workers.engine import RolloutEngine, build_engine
 from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
+from rljob_workers.startup import StartupClock
 from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, mix_seed, score_groups
 from rljob_workers.utilization import account_colocated_step
 
@@ -465,11 +466,17 @@ def process_group(env: ProcessEnv, config: WorkerConfig) -> Iterator[None]:
 
 
 def build_colocated_runtime(
-    config: WorkerConfig, env: ProcessEnv, *, engine: RolloutEngine | None = None
+    config: WorkerConfig,
+    env: ProcessEnv,
+    *,
+    engine: RolloutEngine | None = None,
+    clock: StartupClock | None = None,
 ) -> ColocatedRuntime:
     """Load task, learner (policy, and critic / reference when the algorithm needs them) and
     engine. The engine starts from the same checkpoint as the policy, so both serve version 0.
+    ``clock`` (if given) marks the phases ``model_load``, ``engine_start`` and ``task_load``.
     """
+    clock = clock or StartupClock()
     model = config.model
     learner = build_learner(
         config,
@@ -477,14 +484,13 @@ def build_colocated_runtime(
         rank=env.rank,
         world_size=env.world_size,
     )
-    return ColocatedRuntime(
-        config,
-        env,
-        engine=engine or build_engine(config, seed=mix_seed(config.seed, env.rank, 11)),
-        learner=learner,
-        task=load_task_data(config.task),
-        control=ControlWatcher.beside(env.config_path),
-    )
+    clock.mark("model_load")
+    engine = engine or build_engine(config, seed=mix_seed(config.seed, env.rank, 11))
+    clock.mark("engine_start")
+    task = load_task_data(config.task)
+    control = ControlWatcher.beside(env.config_path)
+    clock.mark("task_load")
+    return ColocatedRuntime(config, env, engine=engine, learner=learner, task=task, control=control)
 
 
 class _StepReporter(RoleReporter):
@@ -554,14 +560,19 @@ def run_colocated(
 ) -> list[dict[str, Any]]:
     """The actor process: join the group, build, resume, train, report; return the records.
 
-    Every step is appended to ``<output_dir>/metrics-actor-<rank>.jsonl``, exported on the
-    Prometheus endpoint (``endpoints.metrics_port``; 0 picks a free port) and reported to the
-    operator as a ``Progress`` heartbeat.
+    Every step is appended to ``<output_dir>/metrics-actor-<rank>.jsonl`` (the first one also
+    with ``startup_<phase>_s``: imports, process_group, model_load, engine_start, task_load,
+    resume, reporting; see ``StartupClock``), exported on the Prometheus endpoint
+    (``endpoints.metrics_port``; 0 picks a free port) and reported to the operator as a
+    ``Progress`` heartbeat.
     """
+    clock = StartupClock()
+    clock.mark("imports")
     with process_group(env, config):
+        clock.mark("process_group")
         # the runtime (and its DDP reducer) lives only in _run_actor's frame, so it is freed
         # before the group is left
-        return _run_actor(config, env, engine, on_step)
+        return _run_actor(config, env, engine, on_step, clock)
 
 
 def _run_actor(
@@ -569,18 +580,26 @@ def _run_actor(
     env: ProcessEnv,
     engine: RolloutEngine | None,
     on_step: Callable[[dict[str, Any]], None] | None,
+    clock: StartupClock,
 ) -> list[dict[str, Any]]:
-    runtime = build_colocated_runtime(config, env, engine=engine)
+    runtime = build_colocated_runtime(config, env, engine=engine, clock=clock)
     named = config.checkpoint.resume_from
     if (config.checkpoint.resume or named is not None) and runtime.resume(
         resume_point(config.checkpoint.dir, named)  # the newest that exists
     ):
         log.info("continuing at step %d (version %d)", runtime.step, runtime.policy_version)
+    clock.mark("resume")
     reporter = _StepReporter(config, env)
     runtime.on_idle = reporter.idle
     runtime.on_stop = reporter.stopped
+    clock.mark("reporting")
+    startup: dict[str, float] | None = clock.phases()
 
     def report(record: dict[str, Any]) -> None:
+        nonlocal startup
+        if startup is not None:  # the first step record carries where the start-up went
+            record.update(startup)
+            startup = None
         reporter(record)
         if on_step is not None:
             on_step(record)

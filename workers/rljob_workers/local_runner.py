@@ -368,7 +368,12 @@ def _follow(
             return None
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             return f"timed out after {timeout_s:.0f} s"
-        time.sleep(poll_interval_s)
+        running = [c for c in finishers if c.process.poll() is None]
+        if running:  # wakes as soon as it exits: the run ends when its last step ends
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                running[0].process.wait(timeout=poll_interval_s)
+        else:
+            time.sleep(poll_interval_s)
 
 
 def _finish(

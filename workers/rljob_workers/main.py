@@ -21,7 +21,7 @@ import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -307,5 +307,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_OK
 
 
+def exit_without_finalization(code: int) -> NoReturn:
+    """End the process with ``code`` once its work is done, skipping interpreter finalization.
+
+    By then every file is closed, the engine shut down and the process group left; what is
+    left is tearing down torch/vLLM/transformers module state, which took ~2.8 s of every
+    worker's exit on the 2-core box (a local run waits for it). Logs and stdio are flushed first.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_without_finalization(main())

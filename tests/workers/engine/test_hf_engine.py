@@ -6,7 +6,8 @@ Aspects under test:
 - greedy decoding is deterministic; seeded sampling is reproducible, unseeded calls differ
 - logprobs are those of the sampling distribution (tempered, nucleus-renormalised) and equal
   teacher-forced scoring of it
-- batching with left padding gives the same greedy tokens as one prompt at a time
+- batching with left padding gives the same greedy tokens as one prompt at a time; short rows
+  are decoded in chunks larger than max_batch_size (up to max_batch_tokens), long ones not
 - EOS ends a completion with finish_reason "stop" and is included in token_ids
 - load_weights from a state dict or a safetensors directory changes outputs and the version;
   unknown names and bad sampling arguments fail with the name in the message
@@ -101,6 +102,26 @@ def test_generate_batched_left_padding_equals_single(engine):
     assert [c.token_ids for c in batched] == [c.token_ids for c in single]
     for b, s in zip(batched, single, strict=True):
         assert b.logprobs == pytest.approx(s.logprobs, abs=1e-5)
+
+
+class _ChunkCounting(HFEngine):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.chunks: list[int] = []
+
+    def _generate_chunk(self, chunk, *args):  # type: ignore[no-untyped-def]
+        self.chunks.append(len(chunk))
+        return super()._generate_chunk(chunk, *args)
+
+
+def test_generate_short_rows_fill_token_budget_long_rows_keep_max_batch_size(tiny_model_dir):
+    engine = _ChunkCounting(tiny_model_dir, seed=0, max_batch_size=4, max_batch_tokens=200)
+    prompts = ["copy:7=", "next:3=", "3+4="]  # 8 tokens at most with <s>
+    assert len(engine.generate(prompts, n=4, max_tokens=2)) == 12
+    assert engine.chunks == [12]  # 12 rows x 10 tokens fit 200
+    engine.chunks.clear()
+    assert len(engine.generate(prompts, n=4, max_tokens=60)) == 12
+    assert engine.chunks == [4, 4, 4]  # 200 // 68 = 2 rows: the 4-row floor applies
 
 
 def test_generate_eos_sampled_finish_reason_stop(engine):

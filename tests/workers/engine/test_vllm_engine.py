@@ -20,6 +20,7 @@ import torch
 
 from rljob_workers.engine import RolloutEngine, make_engine
 from rljob_workers.engine.hf import HFEngine
+from rljob_workers.engine.vllm_backend import kv_cache_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +74,26 @@ def _assert_sampled_logprobs_agree(vllm_engine, hf_engine, **sampling) -> None:
 def test_vllm_engine_protocol_satisfied(vllm_engine):
     assert isinstance(vllm_engine, RolloutEngine)
     assert vllm_engine.in_process and vllm_engine.weights_version == 0
+
+
+def test_vllm_generate_default_compiles_nothing(vllm_engine):
+    """vLLM's sampler runs eagerly: no dynamo frame is compiled on a (re)started generate."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # forget any compiled code, so a compiling sampler would compile again
+    before = counters["frames"]["total"]
+    vllm_engine.generate(PROMPTS, n=2, max_tokens=4, seed=3)
+    assert counters["frames"]["total"] == before
+
+
+def test_vllm_cpu_kv_cache_sized_to_the_model_not_a_fixed_gib(vllm_engine, tiny_model_dir):
+    cache = vllm_engine._llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == kv_cache_bytes(
+        tiny_model_dir, max_model_len=128, dtype="float32", cap_gib=1
+    )
+    assert cache.kv_cache_memory_bytes < 64 * 2**20  # vLLM's CPU default here: 1 GiB
+    assert kv_cache_bytes(tiny_model_dir, max_model_len=10**6, dtype="float32", cap_gib=1) == 2**30
 
 
 def test_vllm_greedy_equals_hf_ids_and_logprobs(vllm_engine, hf_engine):

@@ -12,9 +12,19 @@ Modes (fixed per process: vLLM caches its environment once the first engine is u
   cross the RPC (that kills the engine): a state dict is first written as safetensors to a
   temporary directory and the workers reload from that path.
 
+Each response is decoded once when it is finished (``detokenize=False`` in the request): vLLM's
+incremental detokenizer, and its decoding of every sampled log-prob's token to text, took about a
+quarter of a tiny model's generate step (all per-token Python), and neither is used.
+
 Log-probabilities are those of the sampling distribution (``logprobs_mode="processed_logprobs"``,
 ``SamplingParams(logprobs=0)``): ``log_softmax`` of the logits after temperature and top-p,
 exactly what the transformers backend returns.
+
+vLLM wraps its sampler's log-prob gather in ``torch.compile`` even with ``enforce_eager``: the first
+``generate`` of a process then spends seconds in dynamo and inductor (5-10 s on the 2-core box; a
+C++ compiler must be present) for an op that ran no faster compiled (101 vs 103 ms a step, tiny
+model, same tokens and log-probs). ``compile_sampler=False`` (the default) runs it eagerly: dynamo
+is off while this engine works in process, ``TORCHDYNAMO_DISABLE=1`` for its engine-core processes.
 
 Sleep mode exists only on GPU platforms: ``sleep()`` / ``wake()`` call ``LLM.sleep`` /
 ``LLM.wake_up`` there and are documented no-ops on CPU.
@@ -61,14 +71,19 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
         engine_args: Mapping[str, Any] | None = None,
+        compile_sampler: bool = False,
     ) -> None:
         """Start a vLLM engine on the local checkpoint ``model_path``.
+
+        ``compile_sampler`` lets vLLM ``torch.compile`` its sampler (see the module docstring).
+        On CPU the KV cache is sized to the model (``kv_cache_bytes``), at most
+        ``kv_cache_space_gib``; ``VLLM_CPU_KVCACHE_SPACE`` in the environment overrides both.
 
         ``enable_sleep_mode=None`` turns sleep mode on where the platform supports it (GPU).
         ``sleep_level`` 1 offloads weights to host memory; 2 discards them, so a ``load_weights``
         must follow ``wake``. ``engine_args`` are passed through to ``vllm.LLM``.
         """
-        _prepare_environment(in_process=in_process, kv_cache_space_gib=kv_cache_space_gib)
+        _prepare_environment(in_process=in_process, compile_sampler=compile_sampler)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -78,6 +93,7 @@ class VLLMEngine:
         self._sleep_level = sleep_level
         self._asleep = False
         self._in_process = in_process
+        self._compile_sampler = compile_sampler
         self._stream = random.Random(seed)
         self._version = 0
         args: dict[str, Any] = {
@@ -93,8 +109,12 @@ class VLLMEngine:
             args["distributed_executor_backend"] = "uni"
         if not current_platform.is_cpu():
             args["gpu_memory_utilization"] = gpu_memory_utilization
+        elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that legacy setting wins in vLLM
+            args["kv_cache_memory_bytes"] = kv_cache_bytes(
+                model_path, max_model_len=max_model_len, dtype=dtype, cap_gib=kv_cache_space_gib
+            )
         args.update(engine_args or {})
-        with _preserve_process_state(enabled=in_process):
+        with _preserve_process_state(enabled=in_process), self._eager():
             self._llm = LLM(**args)
         self.tokenizer = self._llm.get_tokenizer()
         self._tied = _tied_weight_aliases(self._llm.llm_engine.model_config.hf_config)
@@ -137,11 +157,13 @@ class VLLMEngine:
                 seed=request_seed,
                 logprobs=0,
                 skip_special_tokens=True,
+                detokenize=False,  # decoded once at the end (_completion), not token by token
             )
             for request_seed in request_seeds(seed, len(prompt_ids), self._stream)
         ]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        with self._eager():
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
         return [
             self._completion(index, prompt_ids[index], sample)
             for index, output in enumerate(outputs)
@@ -199,6 +221,15 @@ class VLLMEngine:
         """Shut the engine core (and its processes, in multiprocess mode) down."""
         self._llm.llm_engine.engine_core.shutdown()
 
+    def _eager(self) -> contextlib.AbstractContextManager[Any]:
+        """Dynamo off while the in-process engine works, unless ``compile_sampler``."""
+        if self._compile_sampler or not self._in_process:
+            return contextlib.nullcontext()
+        import torch._dynamo
+
+        patch: contextlib.AbstractContextManager[Any] = torch._dynamo.config.patch(disable=True)
+        return patch
+
     def _reload(self, **kwargs: Any) -> None:
         self._llm.collective_rpc("reload_weights", kwargs=kwargs)
         self._llm.reset_prefix_cache()
@@ -216,18 +247,46 @@ class VLLMEngine:
             prompt_ids=list(prompt_ids),
             token_ids=tokens,
             logprobs=logprobs,
-            text=sample.text,
+            text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
             finish_reason=finish,
             weights_version=self._version,
         )
 
 
-def _prepare_environment(*, in_process: bool, kv_cache_space_gib: int) -> None:
+def _prepare_environment(*, in_process: bool, compile_sampler: bool = False) -> None:
     """Set the vLLM environment before vllm is imported (explicit settings win)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
+    if not in_process and not compile_sampler:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # read by the engine-core processes
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+KV_CACHE_SEQUENCES = 256
+"""Sequences of ``max_model_len`` tokens a CPU KV cache holds (vLLM's default ``max_num_seqs``)."""
+
+
+def kv_cache_bytes(
+    model_path: str | Path, *, max_model_len: int, dtype: str, cap_gib: float
+) -> int:
+    """A CPU KV cache that holds ``KV_CACHE_SEQUENCES`` full-length sequences, at most ``cap_gib``.
+
+    vLLM's CPU default is a fixed size (1 GiB here), allocated and touched at start-up whatever
+    the model: a tiny model needs ~30 MiB of it, so its engine used ~1 GiB more memory than the
+    weights explain. Models whose full cache would exceed the cap get the cap, as before.
+    """
+    import json
+
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    element = 4 if dtype == "float32" else 2
+    per_token = 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * element
+    block_slack = 128  # each sequence may end in a partly filled block
+    need = per_token * KV_CACHE_SEQUENCES * (max_model_len + block_slack)
+    return int(min(need, cap_gib * 2**30))
 
 
 def _check_process_mode(in_process: bool) -> None:
