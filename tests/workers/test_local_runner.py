@@ -253,3 +253,23 @@ def test_run_local_ctrl_c_stops_every_process(tiny_model, tmp_path):
     assert rest.strip().endswith("interrupted")
     assert "FAILED: interrupted" in rest
     assert _processes_of_run(workdir) == []
+
+
+def test_run_local_rerun_of_complete_job_runs_nothing_then_more_steps_resume(tiny_model, tmp_path):
+    workdir = tmp_path / "run"
+    first = run_local(_config(tiny_model), workdir=workdir, stream=io.StringIO())
+    assert first.ok, first.failure
+    report = json.loads((workdir / "summary.json").read_text())
+
+    out = io.StringIO()
+    again = run_local(_config(tiny_model), workdir=workdir, stream=out)
+    text = out.getvalue()
+    assert again.ok and again.exit_codes == {}, text  # no process was started
+    assert "already complete" in text and "step 3 of 3" in text and "--workdir" in text, text
+    assert json.loads((workdir / "summary.json").read_text()) == report  # the report is kept
+
+    out = io.StringIO()
+    further = run_local(_config(tiny_model, total_steps=4), workdir=workdir, stream=out)
+    assert further.ok, further.failure
+    assert "resuming at step 3" in out.getvalue()
+    assert [r["step"] for r in further.records["actor-0"]] == [4]

@@ -36,6 +36,7 @@ from torch import nn
 __all__ = [
     "CheckpointState",
     "capture_rng_state",
+    "checkpoint_step",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -248,6 +249,11 @@ def published_version(root: str | Path) -> int | None:
 def _step_of(path: Path) -> int:
     match = _NAME.match(path.name)
     return int(match.group(1)) if match else -1
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The training step a checkpoint folder holds, from its name (-1 for another name)."""
+    return _step_of(Path(path))
 
 
 def _prune(root: Path, keep: int) -> None:

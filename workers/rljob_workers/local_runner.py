@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from rljob_workers.checkpoint import checkpoint_step, resume_point
 from rljob_workers.config import CheckpointConfig, Role, WorkerConfig
 from rljob_workers.metrics import metrics_log_path
 from rljob_workers.report import render_summary_table, summarize_records, write_plots
@@ -292,6 +293,12 @@ def run_local(
         file=out,
         flush=True,
     )
+    checkpoint = resume_point(local.checkpoint.dir) if local.checkpoint.resume else None
+    if checkpoint is not None:
+        step = checkpoint_step(checkpoint)
+        if step >= local.total_steps:
+            return _already_complete(local, root, step, out)
+        print(f"rljob local: resuming at step {step} from {checkpoint}", file=out, flush=True)
     started = time.monotonic()
     children: list[_Child] = []
     failure: str | None = None
@@ -310,6 +317,34 @@ def run_local(
             child.log_file.close()
             child.read_new_records()
     return _finish(local, root, children, failure, interrupted, time.monotonic() - started, out)
+
+
+def _already_complete(config: WorkerConfig, root: Path, step: int, out: IO[str]) -> RunResult:
+    """A workdir whose newest checkpoint is at (or past) ``totalSteps``: nothing to train, and
+    the earlier run's report is left as it is."""
+    summary_path = root / "summary.json"
+    try:
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    print(
+        f"rljob local: {config.job_name} is already complete: the checkpoint in "
+        f"{config.checkpoint.dir} is at step {step} of {config.total_steps}, so nothing was run. "
+        f"Its report: {summary_path} and the plots in {root}. To run it again give another "
+        f"--workdir (or delete {root}); to train further raise --steps above {step}.",
+        file=out,
+        flush=True,
+    )
+    plots = [Path(p) for p in summary.get("plots", []) if Path(p).exists()]
+    return RunResult(
+        ok=True,
+        workdir=root,
+        exit_codes={},
+        records={},
+        summary=summary,
+        summary_path=summary_path,
+        plots=plots,
+    )
 
 
 def _spawn(
