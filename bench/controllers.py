@@ -687,23 +687,21 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out_path = RESULTS / f"{args.name}.json"
     results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    parts = {
+        "compare": (compare, plot_compare, print_compare),
+        "scale": (scale, plot_scale, print_scale),
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        if args.part in ("compare", "all"):
+        for key, (measure, plot, show) in parts.items():
+            if args.part not in (key, "all"):
+                continue
             started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            part = compare(args, Path(tmp))
+            part = measure(args, Path(tmp))
             part["date"], part["uptime_after"] = started, _uptime()
-            results["compare"] = part
-            out_path.write_text(json.dumps(results, indent=2))
-            plot_compare(part, RESULTS / f"{args.name}_compare.png")
-            print_compare(part)
-        if args.part in ("scale", "all"):
-            started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            part = scale(args, Path(tmp))
-            part["date"], part["uptime_after"] = started, _uptime()
-            results["scale"] = part
-            out_path.write_text(json.dumps(results, indent=2))
-            plot_scale(part, RESULTS / f"{args.name}_scale.png")
-            print_scale(part)
+            results[key] = part
+            out_path.write_text(json.dumps(results, indent=2))  # saved before the next part
+            plot(part, RESULTS / f"{args.name}_{key}.png")
+            show(part)
     return 0
 
 
