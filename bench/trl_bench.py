@@ -310,7 +310,25 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "train_ms": med("train_ms"),
         "reload_ms": med("reload_ms"),
         "peak_rss_mb": med("peak_rss_mb"),
-        "final_reward_mean": statistics.fmean(float(r["final_reward"]) for r in ok),
+        **reward_spread([float(r["final_reward"]) for r in ok]),
+    }
+
+
+LEARNED = 0.5
+"""A seed "learned" the task when its final reward reaches this (the start is ~0.002)."""
+
+
+def reward_spread(finals: list[float]) -> dict[str, float]:
+    """Mean, median, sample std and standard error of the seeds' final rewards, and the share
+    of seeds that learned: with a sparse start some seeds never find the answer, so a 3-seed mean
+    moves by ~0.2 with one seed."""
+    std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+    return {
+        "final_reward_mean": statistics.fmean(finals),
+        "final_reward_median": statistics.median(finals),
+        "final_reward_std": std,
+        "final_reward_sem": std / len(finals) ** 0.5,
+        "seeds_learned": sum(f >= LEARNED for f in finals) / len(finals),
     }
 
 
@@ -413,6 +431,9 @@ def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
                 "completions_per_s_loop": ours["completions_per_s_loop"]
                 / trl["completions_per_s_loop"],
                 "final_reward": ours["final_reward_mean"] - trl["final_reward_mean"],
+                # Welch: the difference of means +- 2 standard errors (~95%)
+                "final_reward_2se": 2
+                * (ours["final_reward_sem"] ** 2 + trl["final_reward_sem"] ** 2) ** 0.5,
             }
     return out
 
@@ -421,7 +442,7 @@ def print_table(result: dict[str, Any]) -> None:
     """The summary as a Markdown table, ratios below."""
     print(
         "| system | wall s | completions/s (wall / loop) | start-up outside the loop | "
-        "generate / train / reload ms per step | peak RSS | final reward (mean of seeds) |"
+        "generate / train / reload ms per step | peak RSS | final reward (mean ± s.e. of seeds) |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, s in result["summary"].items():
@@ -433,12 +454,15 @@ def print_table(result: dict[str, Any]) -> None:
             f"| {name} | {s['wall_s']:.1f} | {s['completions_per_s_wall']:.0f} / "
             f"{s['completions_per_s_loop']:.0f} | {s['startup_outside_loop_s']:.1f} s ({phases}) | "
             f"{s['generate_ms']:.0f} / {s['train_ms']:.0f} / {s['reload_ms']:.1f} | "
-            f"{s['peak_rss_mb'] / 1024:.2f} GiB | {s['final_reward_mean']:.3f} |"
+            f"{s['peak_rss_mb'] / 1024:.2f} GiB | {s['final_reward_mean']:.3f} ± "
+            f"{s['final_reward_sem']:.3f} (median {s['final_reward_median']:.2f}, "
+            f"{s['seeds_learned']:.0%} of seeds learned) |"
         )
     for name, r in result["ratios_ours_over_trl"].items():
         print(
             f"{name} / TRL: completions/s wall {r['completions_per_s_wall']:.2f}x, loop "
-            f"{r['completions_per_s_loop']:.2f}x, final reward {r['final_reward']:+.3f}"
+            f"{r['completions_per_s_loop']:.2f}x, final reward {r['final_reward']:+.3f} "
+            f"(± {r['final_reward_2se']:.3f}, 2 standard errors)"
         )
     print(f"load average start {result['load_avg_start']}, end {result['load_avg_end']}")
 

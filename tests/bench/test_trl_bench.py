@@ -4,7 +4,8 @@
   minibatches of 64 completions, 128 completions a step, β and lr as the example says;
 - our side's worker config is the example's, with the bench's seed, steps, actors and no
   checkpoints in the run;
-- the summary: medians over seeds, completions/s from completions and times, ratios against TRL;
+- the summary: medians over seeds, completions/s from completions and times, ratios against TRL,
+  the spread of the seeds' final rewards (std, standard error, share of seeds that learned);
 - ours-only smoke end to end (``--no-trl``: CI never installs trl): a real local run, JSON with
   start-up phases (engine start, first step), per-step times and the PNG (slow: ~1 min);
 - the TRL side, only where the bench's TRL venv exists (skips with the reason otherwise).
@@ -68,6 +69,14 @@ def test_summarize_medians_rates_and_mean_reward() -> None:
     assert summary["completions_per_s_loop"] == 1280 / 10
     assert summary["startup_outside_loop_s"] == 10
     assert summary["final_reward_mean"] == pytest.approx(0.5)
+
+
+def test_summarize_reward_spread_std_error_and_seeds_learned() -> None:
+    summary = summarize([_run(20, 10, 0.0), _run(20, 10, 1.0), _run(20, 10, 0.5)])
+    assert summary["final_reward_median"] == pytest.approx(0.5)
+    assert summary["final_reward_std"] == pytest.approx(0.5)
+    assert summary["final_reward_sem"] == pytest.approx(0.5 / 3**0.5)
+    assert summary["seeds_learned"] == pytest.approx(2 / 3)
 
 
 @pytest.mark.slow
