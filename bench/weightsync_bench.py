@@ -6,9 +6,11 @@ Side by side in one run, per model size (Qwen2-shaped state dicts, random init):
    pre-allocated buffer (no HTTP, no parsing, no copies): what loopback itself allows;
 2. ``none`` / ``bf16`` / ``fp8``: a rollout waits in ``WeightClient.fetch_latest`` (long-poll);
    ``WeightServer.publish`` (snapshot + compression, streamed while it is written) -> the
-   fetch (read straight into tensors) -> decompression straight into the receiver's parameters
-   (what ``HFEngine.load_weights`` does): the full publish -> usable path. ``publish_s`` and
-   ``fetch_s`` both count from the publish call (they overlap); ``load_s`` follows the fetch;
+   fetch (read straight into tensors) -> the load into the receiver's parameters (what
+   ``HFEngine.load_weights`` does: an uncompressed tensor's storage is handed to the parameter,
+   a compressed one is decompressed straight into it): the full publish -> usable path.
+   ``publish_s`` and ``fetch_s`` both count from the publish call (they overlap); ``load_s``
+   follows the fetch;
 3. colocated in-process reload (``--engines hf,vllm``, a 66M-parameter model): each engine's
    ``load_weights`` from the trainer's parameters beside one ``memcpy`` (a flat ``copy_``) of
    the same bytes.
@@ -154,9 +156,9 @@ def sync_once(
     weights = received[0] if received else None
     if weights is None or weights.version != version:
         raise RuntimeError(f"version {version} did not arrive")
-    with torch.no_grad():  # as HFEngine.load_weights: decompressed straight into each parameter
+    with torch.no_grad():  # as HFEngine.load_weights: handed over, or decompressed straight in
         for name in weights.weights.names():
-            weights.weights.decode_into(name, target[name])
+            weights.weights.load_into(name, target[name])
     loaded = time.perf_counter()
     return {
         "publish_s": published - start,
@@ -224,9 +226,10 @@ def measure_size(size: str, repeat: int) -> dict[str, Any]:
     }
     floor_s = rows["floor"]["total_s"]
     loopback_mb_s = rows["floor"]["wire_mb"] / floor_s
-    # A safe none path copies twice besides the socket: the snapshot (the trainer keeps training
-    # while rollouts read) and the load into the engine (a cut stream never half-loads a model).
-    copy_floor_s = floor_s + 2 * rows["floor"]["memcpy_s"]
+    # A safe none path copies once besides the socket: the snapshot (the trainer keeps training
+    # while rollouts read). The load hands the received storage over (a cut stream never
+    # half-loads a model: it was read into the spare buffers).
+    copy_floor_s = floor_s + rows["floor"]["memcpy_s"]
     for row in rows.values():
         row["vs_floor"] = row["total_s"] / floor_s
         row["vs_copy_floor"] = row["total_s"] / copy_floor_s
@@ -318,8 +321,8 @@ def print_tables(result: dict[str, Any]) -> None:
     for entry in result["sync"]:
         floor = entry["rows"]["floor"]
         print(
-            f"{entry['size']} memcpy of the same bytes {floor['memcpy_s']:.3f} s; floor + 2 copies "
-            f"(snapshot, load) {entry['copy_floor_s']:.3f} s; none at "
+            f"{entry['size']} memcpy of the same bytes {floor['memcpy_s']:.3f} s; floor + 1 copy "
+            f"(the snapshot) {entry['copy_floor_s']:.3f} s; none at "
             f"{entry['rows']['none']['vs_copy_floor']:.2f}x of that"
         )
         for mode, base, key in (

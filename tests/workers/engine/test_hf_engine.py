@@ -196,6 +196,20 @@ def test_load_weights_received_payload_equals_its_decoded_pairs(tiny_model_dir, 
         assert torch.equal(tensor, direct.model.state_dict()[name]), name
 
 
+def test_load_weights_received_uncompressed_payload_is_not_copied(tiny_model_dir):
+    from rljob_workers.weightsync import decode_weights, encode_weights
+
+    engine = HFEngine(tiny_model_dir)
+    received = decode_weights(encode_weights(2, _perturbed(engine), "none"))
+
+    engine.load_weights(2, received)
+
+    params = dict(engine.model.named_parameters())
+    name = "model.embed_tokens.weight"
+    assert params[name].data_ptr() == received.wire[name].data_ptr()
+    assert torch.equal(engine.model.lm_head.weight, received.wire[name])  # still tied
+
+
 def test_load_weights_received_payload_unknown_name_raises(tiny_model_dir):
     from rljob_workers.weightsync import decode_weights, encode_weights
 

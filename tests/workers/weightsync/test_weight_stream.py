@@ -19,7 +19,12 @@ Aspects under test:
 - the chunked fp8 conversions agree with torch's casts across chunk boundaries (tensors of one
   chunk, one element more, several chunks and a ragged tail), both ways;
 - ``decode_into`` decompresses into a destination of any float dtype (equal to decoding then
-  casting) and refuses a destination of another shape, naming the tensor.
+  casting) and refuses a destination of another shape, naming the tensor;
+- ``load_into`` hands an uncompressed tensor's storage to a parameter that owns its own storage
+  (no copy; the parameter's old storage becomes the pool's next receive buffer), and copies
+  otherwise: compressed, another dtype, a view into a larger buffer, a tensor already handed over;
+- a large tensor is snapshotted and streamed in pieces (``_PIECE_BYTES``): a reader has the
+  first piece before the rest of the tensor is written, and the bytes equal the built payload.
 """
 
 from __future__ import annotations
@@ -240,6 +245,73 @@ def test_decode_into_other_shape_refused_naming_tensor() -> None:
 
     with pytest.raises(ValueError, match=r"'layer\.w' has shape \[4, 3\], its destination \[12\]"):
         decoded.decode_into("layer.w", torch.empty(12))
+
+
+def _received(sent: dict[str, torch.Tensor], compression: str = "none", pool=None):
+    payload = build_payload(0, sent, compression).to_bytes()
+    return read_payload(io.BytesIO(payload).readinto, pool=pool)
+
+
+def test_load_into_uncompressed_hands_storage_over_and_pool_gets_the_old() -> None:
+    pool = codec.TensorPool()
+    received = _received({"w": torch.randn(6, 4)}, pool=pool)
+    param = nn.Parameter(torch.zeros(6, 4))
+    old_pointer, wire = param.data_ptr(), received.wire["w"]
+
+    received.load_into("w", param)
+
+    assert param.data_ptr() == wire.data_ptr()  # no copy: the parameter holds the bytes received
+    assert torch.equal(param.data, received.wire["w"]) and isinstance(param, nn.Parameter)
+    assert pool.take("w#wire", [6, 4], torch.float32).data_ptr() == old_pointer  # next receive
+
+
+@pytest.mark.parametrize(
+    ("compression", "target"),
+    [
+        ("bf16", torch.zeros(6, 4)),  # decompressed: must be written
+        ("none", torch.zeros(6, 4, dtype=torch.float64)),  # another dtype
+        ("none", torch.zeros(30)[3:27].view(6, 4)),  # a view into a larger buffer
+    ],
+    ids=["compressed", "other-dtype", "view"],
+)
+def test_load_into_copies_when_the_storage_cannot_be_handed_over(compression, target) -> None:
+    received = _received({"w": torch.randn(6, 4)}, compression)
+    pointer = target.data_ptr()
+
+    received.load_into("w", target)
+
+    assert target.data_ptr() == pointer
+    assert torch.equal(target, received.tensors["w"].to(target.dtype))
+
+
+def test_load_into_a_second_target_copies_the_tensor_already_handed_over() -> None:
+    received = _received({"w": torch.randn(5)})
+    first, second = torch.zeros(5), torch.zeros(5)
+
+    received.load_into("w", first)
+    received.load_into("w", second)
+
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first, second)
+
+
+def test_large_tensor_streams_in_pieces_first_piece_before_the_rest(monkeypatch) -> None:
+    monkeypatch.setattr(codec, "_PIECE_BYTES", 64)  # 16 float32 per piece
+    sent = {"big": torch.randn(100), "small": torch.randn(3)}
+    pending = start_payload(1, sent)
+    stream = pending.payload.stream()
+    next(stream)  # the header
+    progress = pending.payload.progress
+    assert progress is not None and progress.total == 7 + 1  # 100 = 6 x 16 + 4, then "small"
+
+    pending.payload.tensors[0][:16].copy_(sent["big"][:16])  # what fill writes first
+    progress.advance()
+    first = bytes(next(stream))  # served while the other pieces are unwritten
+
+    assert first == sent["big"][:16].numpy().tobytes()
+    pending.fill()
+    streamed = first + b"".join(bytes(chunk) for chunk in stream)
+    assert streamed == b"".join(bytes(c) for c in build_payload(1, sent).chunks()[1:])
 
 
 def test_weight_client_body_cut_short_by_server_names_the_tensor() -> None:

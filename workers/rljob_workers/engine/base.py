@@ -38,6 +38,11 @@ class DecodingSource(Protocol):
         """Write tensor ``name``, decompressed, into ``target`` (same shape)."""
         ...
 
+    def load_into(self, name: str, target: torch.Tensor) -> None:
+        """Load tensor ``name`` into ``target``: its received storage handed over where exact
+        (no copy), else ``decode_into``."""
+        ...
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs, decompressed."""
         ...

@@ -137,10 +137,10 @@ class HFEngine:
         params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         params.update(self.model.named_buffers())
         aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-        if isinstance(source, DecodingSource):  # decompressed straight into each parameter
+        if isinstance(source, DecodingSource):  # handed over, or decompressed straight in
             for name in source.names():
                 if _is_loaded(name, params, aliases):
-                    source.decode_into(name, params[name])
+                    source.load_into(name, params[name])
         else:
             for name, tensor in iter_named_tensors(source):
                 if _is_loaded(name, params, aliases):

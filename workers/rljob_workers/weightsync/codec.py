@@ -27,9 +27,11 @@ senders and receivers from before streaming and after it read each other.
 Copies: compression *is* the publish snapshot (the cast writes the wire tensor), and
 decompression *is* the load (``DecodedWeights.decode_into`` writes each decoded tensor straight
 into the engine's parameter), so a compressed payload costs no pass over the model that an
-uncompressed one does not make. fp8 scales come from one ``aminmax`` per tensor; the fp8
-conversions run in cache-sized chunks (``_CHUNK``) so each chunk's intermediates never reach
-memory.
+uncompressed one does not make. An uncompressed payload is not copied at load at all where the
+engine owns plain parameters (``DecodedWeights.load_into``: the parameter takes the received
+storage, its old storage becomes the next receive buffer). fp8 scales come from one ``aminmax``
+per tensor; the fp8 conversions run in cache-sized chunks (``_CHUNK``) so each chunk's
+intermediates never reach memory.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ _SAFETENSORS_DTYPES = {
 }
 _TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 << 20
+_PIECE_BYTES = 4 << 20
+"""A publish snapshots, and the server sends, each tensor in pieces of at most this many bytes:
+the send of piece ``i`` overlaps the copy of piece ``i + 1`` even inside one large tensor (an
+embedding matrix is a third of a small model's bytes)."""
 # Elements per step of the chunked fp8 conversions: a 1 MB float32 scratch stays in cache.
 _CHUNK = 1 << 18
 ReadInto = Callable[[memoryview], int | None]
@@ -114,6 +120,7 @@ class DecodedWeights:
     scales: dict[str, float] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     pool: TensorPool | None = field(default=None, repr=False, compare=False)
+    adopted: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -136,6 +143,27 @@ class DecodedWeights:
         """``(name, tensor)`` pairs, ready for a ``RolloutEngine.load_weights(version, pairs)``."""
         return list(self.tensors.items())
 
+    def load_into(self, name: str, target: torch.Tensor) -> None:
+        """Load tensor ``name`` into ``target`` (a parameter): by handing ``target`` the received
+        storage where that is exact, else by ``decode_into``.
+
+        An uncompressed tensor of ``target``'s dtype and shape, where ``target`` is contiguous
+        and alone in its storage (not a view into a flat buffer), is not copied: ``target.data``
+        becomes the received tensor (the same bytes the copy would write), and ``target``'s old
+        storage goes to the pool, where the next fetch reads into it. Loading is then a pointer
+        swap, and the receive buffers and the parameters trade places each sync. Each received
+        tensor is handed over at most once; loading it again (another engine) copies it.
+        """
+        wire = self.wire[name]
+        if name in self.adopted or name in self.scales or not _sole_owner(target, like=wire):
+            self.decode_into(name, target)
+            return
+        previous = target.data
+        target.data = wire
+        self.adopted.add(name)
+        if self.pool is not None:
+            self.pool.give(f"{name}#wire", previous)
+
     def decode_into(self, name: str, target: torch.Tensor) -> None:
         """Write tensor ``name``, decompressed, into ``target`` (same shape, any float dtype)."""
         wire = self.wire[name]
@@ -151,6 +179,20 @@ class DecodedWeights:
             _fp8_decode_into(wire, scale, target, _take(self.pool, "#bits", [_CHUNK], torch.int32))
         else:
             target.copy_(_fp8_to_float32(wire, scale))
+
+
+def _sole_owner(target: torch.Tensor, *, like: torch.Tensor) -> bool:
+    """Whether ``target`` may take ``like``'s storage: same dtype, shape and device, both
+    contiguous, and ``target`` the whole of its own storage."""
+    return (
+        target.dtype == like.dtype
+        and target.shape == like.shape
+        and target.device == like.device
+        and target.is_contiguous()
+        and like.is_contiguous()
+        and target.storage_offset() == 0
+        and target.untyped_storage().nbytes() == target.numel() * target.element_size()
+    )
 
 
 def wire_dtype(dtype: torch.dtype, compression: Compression) -> torch.dtype:
@@ -221,6 +263,10 @@ class TensorPool:
             self._tensors[key] = tensor
         return tensor
 
+    def give(self, key: str, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` as ``key``'s storage from now on (the owner hands memory back)."""
+        self._tensors[key] = tensor
+
 
 def _take(
     pool: TensorPool | None, key: str, shape: torch.Size | list[int], dtype: torch.dtype
@@ -228,8 +274,22 @@ def _take(
     return torch.empty(shape, dtype=dtype) if pool is None else pool.take(key, shape, dtype)
 
 
+def _pieces(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int, int]]:
+    """``(tensor index, first element, end element)`` of each piece, in data order (empty
+    tensors have none)."""
+    pieces = []
+    for index, tensor in enumerate(tensors):
+        step = max(1, _PIECE_BYTES // max(tensor.element_size(), 1))
+        pieces += [
+            (index, start, min(start + step, tensor.numel()))
+            for start in range(0, tensor.numel(), step)
+        ]
+    return pieces
+
+
 class FillProgress:
-    """How many of a payload's wire tensors are written, in data order; readers wait on it.
+    """How many of a payload's pieces (``_pieces``) are written, in data order; readers wait
+    on it.
 
     A payload is announced before its tensors are written (``start_payload``) so a server can
     send tensor ``i`` while the publisher still writes tensor ``i + 1``; ``abort`` wakes the
@@ -243,7 +303,7 @@ class FillProgress:
         self._changed = threading.Condition()
 
     def advance(self) -> None:
-        """One more tensor is written."""
+        """One more piece is written."""
         with self._changed:
             self._ready += 1
             self._changed.notify_all()
@@ -255,7 +315,7 @@ class FillProgress:
             self._changed.notify_all()
 
     def wait_for(self, count: int) -> None:
-        """Block until ``count`` tensors are written; ``ConnectionAbortedError`` if aborted."""
+        """Block until ``count`` pieces are written; ``ConnectionAbortedError`` if aborted."""
         with self._changed:
             self._changed.wait_for(lambda: self._ready >= count or self._aborted)
             if self._ready < count:
@@ -283,13 +343,14 @@ class WirePayload:
         return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
 
     def stream(self) -> Iterator[memoryview]:
-        """The header, then each tensor's bytes (zero-copy) once it is written."""
+        """The header, then the tensors' bytes (zero-copy), each piece once it is written."""
         yield memoryview(self.header)
-        for index, tensor in enumerate(self.tensors):
-            if self.progress is not None:
-                self.progress.wait_for(index + 1)
-            if tensor.numel():
-                yield _byte_view(tensor)
+        if self.progress is None:
+            yield from (_byte_view(t) for t in self.tensors if t.numel())
+            return
+        for count, (index, start, end) in enumerate(_pieces(self.tensors), start=1):
+            self.progress.wait_for(count)
+            yield _byte_view(self.tensors[index].view(-1)[start:end])
 
     def chunks(self) -> list[memoryview]:
         """The header and each tensor's bytes, zero-copy (waits until all are written)."""
@@ -331,15 +392,16 @@ class PendingPayload:
         """Write every wire tensor; on failure the payload's readers are aborted, then raise."""
         progress = self.payload.progress
         assert progress is not None
+        names, sources = list(self.sources), list(self.sources.values())
         try:
             scratch = _take(self.pool, "#scratch", [_CHUNK], torch.float32) if self.scales else None
-            for (name, source), packed in zip(
-                self.sources.items(), self.payload.tensors, strict=True
-            ):
-                if scratch is None or name not in self.scales:
+            for index, start, end in _pieces(self.payload.tensors):
+                source = sources[index].reshape(-1)[start:end]
+                packed = self.payload.tensors[index].view(-1)[start:end]
+                if scratch is None or names[index] not in self.scales:
                     packed.copy_(source)
                 else:
-                    _fp8_encode_into(source, self.scales[name], packed, scratch)
+                    _fp8_encode_into(source, self.scales[names[index]], packed, scratch)
                 progress.advance()
         except BaseException:
             progress.abort()
@@ -366,7 +428,8 @@ def start_payload(
         for name, source in sources.items()
     }
     header = _header(version, published_at, compression, sources, wire, scales)
-    payload = WirePayload(version, header, tuple(wire.values()), FillProgress(len(wire)))
+    tensors = tuple(wire.values())
+    payload = WirePayload(version, header, tensors, FillProgress(len(_pieces(tensors))))
     return PendingPayload(payload, sources, scales, pool)
 
 
