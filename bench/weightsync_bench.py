@@ -19,7 +19,10 @@ Modes alternate within each repeat (the first two rounds warm up, not counted); 
 size runs one mode at a time, once after two warm-up syncs; medians reported.
 Writes bench/results/weightsync_bench.{json,png}.
 Usage: .venv/bin/python -m bench.weightsync_bench [--sizes 62M,250M,500M] [--repeat 3]
-       [--engines hf,vllm] [--threads N]
+       [--engines hf,vllm] [--threads N] [--link-mbit N]
+``--link-mbit N`` (root) runs it all in a network namespace of its own whose loopback is limited to
+N Mbit/s by a ``tc`` token bucket, a stand-in for a cluster link; results then go to
+bench/results/weightsync_bench_link<N>mbit.{json,png}.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -387,7 +391,15 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--engines", default="hf,vllm", help="colocated reload ('' skips)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--link-mbit",
+        type=int,
+        default=0,
+        help="run in a network namespace of its own whose loopback tc limits to this rate (root)",
+    )
     args = parser.parse_args()
+    if args.link_mbit and os.environ.get(IN_LINK) != str(args.link_mbit):
+        return run_behind_link(args.link_mbit, sys.argv[1:])
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = load_average()
@@ -399,6 +411,7 @@ def main() -> int:
         colocated = measure_colocated(engines, args.repeat, Path(tmp)) if engines else []
     result = {
         "command": " ".join(["python -m bench.weightsync_bench", *sys.argv[1:]]),
+        "link_mbit": args.link_mbit or None,
         "load_before": load_before,
         "load_after": load_average(),
         "machine": {
@@ -412,10 +425,34 @@ def main() -> int:
     }
     print_tables(result)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "weightsync_bench.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "weightsync_bench.png")
-    print(f"\nwrote {RESULTS / 'weightsync_bench.json'} and .png")
+    stem = RESULTS / (
+        f"weightsync_bench_link{args.link_mbit}mbit" if args.link_mbit else "weightsync_bench"
+    )
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, stem.with_suffix(".png"))
+    print(f"\nwrote {stem}.json and .png")
     return 0
+
+
+IN_LINK = "RLJOB_BENCH_LINK_MBIT"
+
+
+def run_behind_link(mbit: int, argv: list[str]) -> int:
+    """This bench again, inside a network namespace of its own whose loopback a ``tc`` token
+    bucket limits to ``mbit`` Mbit/s: the floor and every sync then cross a link of that speed
+    (a cluster network, not memory-speed loopback). The namespace is removed afterwards."""
+    name = f"rljob-wsync-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        inside = ["ip", "netns", "exec", name]
+        subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True)
+        shape = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{mbit}mbit"]
+        subprocess.run([*inside, *shape, "burst", "1mb", "latency", "100ms"], check=True)
+        env = {**os.environ, IN_LINK: str(mbit)}
+        command = [*inside, sys.executable, "-m", "bench.weightsync_bench", *argv]
+        return subprocess.run(command, env=env, check=False).returncode
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 if __name__ == "__main__":
