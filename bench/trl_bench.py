@@ -215,6 +215,7 @@ def run_ours(
             if rows
         ),
         "final_reward": statistics.fmean(float(r["reward_mean"]) for r in records[-FINAL_WINDOW:]),
+        "rewards": [float(r["reward_mean"]) for r in records],
         "load_1min_before_after": [round(load, 2), round(os.getloadavg()[0], 2)],
     }
 
@@ -279,6 +280,7 @@ def run_trl(
         "train_ms": statistics.median(s - g for s, g in zip(step[1:], generate[1:], strict=True)),
         "peak_rss_mb": float(raw["peak_rss_mb"]),
         "final_reward": statistics.fmean(raw["batch_rewards"][-FINAL_WINDOW:]),
+        "rewards": [float(r) for r in raw["batch_rewards"]],
         "load_1min_before_after": [round(load, 2), round(os.getloadavg()[0], 2)],
     }
 
@@ -475,7 +477,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
     summary = {n: s for n, s in result["summary"].items() if s.get("ok")}
     names = list(summary)
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (a, b, c, d) = plt.subplots(1, 4, figsize=(19, 4))
     x = range(len(names))
     a.bar(
         [i - 0.2 for i in x],
@@ -513,6 +515,19 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     c.set_ylabel("ms per step (median)")
     c.legend(fontsize=8)
     c.set_title("Where a step goes")
+    for name in names:
+        curves = [r["rewards"] for r in result["runs"][name] if r.get("ok") and r.get("rewards")]
+        if not curves:
+            continue
+        steps = min(len(curve) for curve in curves)
+        mean = [statistics.fmean(curve[i] for curve in curves) for i in range(steps)]
+        (line,) = d.plot(range(1, steps + 1), mean, label=f"{name} (mean of {len(curves)})")
+        for curve in curves:
+            d.plot(range(1, steps + 1), curve[:steps], color=line.get_color(), alpha=0.15, lw=0.8)
+    d.set_xlabel("step (128 completions)")
+    d.set_ylabel("mean reward of the step")
+    d.legend(fontsize=7)
+    d.set_title("Learning: each seed (faint) and the mean")
     load = result["load_avg_start"][0]
     fig.suptitle(f"RL loop vs TRL {result['trl_version']} (load {load:.1f} at start)")
     fig.tight_layout()

@@ -93,6 +93,7 @@ def test_trl_bench_ours_only_smoke_writes_phases_and_plot(tmp_path: Path) -> Non
     assert {"imports", "model_load", "engine_start", "first_step"} <= set(ours["startup_phases_s"])
     assert ours["completions_per_s_loop"] > ours["completions_per_s_wall"] > 0
     assert ours["generate_ms"] > 0 and ours["train_ms"] > 0 and ours["reload_ms"] > 0
+    assert len(result["runs"]["ours, vllm, 1 actor(s)"][0]["rewards"]) == 3  # one per step
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -109,3 +110,4 @@ def test_trl_side_runs_the_matched_grpo_trainer(tmp_path: Path) -> None:
     assert run["completions"] == 2 * 128
     assert {"imports", "model_load", "trainer_init", "first_step"} <= set(run["startup_phases_s"])
     assert run["loop_s"] < run["wall_s"]
+    assert len(run["rewards"]) == 2  # one per generation batch of 128, as our steps
