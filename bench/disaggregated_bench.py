@@ -155,7 +155,9 @@ def _build_model(size: str) -> torch.nn.Module:
 
 
 def measure_weight_sync(size: str, compression: str, repeat: int) -> dict[str, Any]:
-    """Publish -> fetch + decode -> load into a receiver model, ``repeat`` versions."""
+    """Publish -> fetch -> load into a receiver model (the HF engine's path: uncompressed
+    tensors handed over, compressed ones decoded straight into the parameters), ``repeat``
+    versions, one phase after another (``bench.weightsync_bench`` times the streamed overlap)."""
     from rljob_workers.weightsync import WeightClient, WeightServer
 
     sender, receiver = _build_model(size), _build_model(size)
@@ -165,7 +167,7 @@ def measure_weight_sync(size: str, compression: str, repeat: int) -> dict[str, A
     rows: dict[str, list[float]] = {"publish_ms": [], "fetch_ms": [], "load_ms": [], "total_ms": []}
     wire = 0
     with WeightServer(TOKEN, compression=compression) as server:  # type: ignore[arg-type]
-        client = WeightClient(server.url, TOKEN)
+        client = WeightClient(server.url, TOKEN, reuse_buffers=True)  # as a rollout worker
         for version in range(repeat + 1):
             started = time.perf_counter()
             report = server.publish(version, state)
@@ -173,10 +175,10 @@ def measure_weight_sync(size: str, compression: str, repeat: int) -> dict[str, A
             received = client.fetch_latest(after=version - 1, wait_s=10)
             fetched = time.perf_counter()
             assert received is not None and received.version == version
-            with torch.no_grad():
-                for name, tensor in received.named_tensors():
+            with torch.no_grad():  # as HFEngine.load_weights: handed over or decoded straight in
+                for name in received.weights.names():
                     if name in targets:
-                        targets[name].copy_(tensor)
+                        received.weights.load_into(name, targets[name])
             loaded = time.perf_counter()
             wire = report.wire_bytes
             if version == 0:
