@@ -25,12 +25,14 @@ nodes in time, 322 went NotReady and their pods were evicted and replaced), ``--
 over time (PNG), the operator's peak RSS (VmHWM), its CPU over a quiet window after everything runs,
 reconcile p50/p99 from its histogram, and API requests/s (apiserver_request_total) in a window
 before any job (the control plane alone: kwok's node heartbeats and leases), during the ramp and
-in the quiet window. Bounded by ``--timeout``; on timeout it reports what it reached.
+in the quiet window (``--settle S`` waits S seconds after the ramp before it: a steady state).
+Bounded by ``--timeout``; on timeout it reports what it reached.
 
 Writes bench/results/controllers.json (each part under its own key), controllers_compare.png and
 controllers_scale.png.
 Usage: .venv/bin/python -m bench.controllers [--part compare|scale|all] [--repeat 5]
-       [--jobs 500] [--pods-per-job 20] [--nodes 1000] [--controller-qps N]
+       [--jobs 500] [--pods-per-job 20] [--nodes 1000] [--controller-qps N] [--quiet S]
+       [--settle S]
 """
 
 from __future__ import annotations
@@ -524,9 +526,12 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             time.sleep(0.5)
         ramp_s = time.monotonic() - start
         api1 = api_counters(cluster)["requests"]
+        if args.settle:  # let the ramp's tail (each job's last status writes) pass first
+            say(f"ramp over after {ramp_s:.0f}s (reached: {reached}); settling {args.settle:.0f}s")
+            time.sleep(args.settle)
         metrics_end_ramp = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
-        say(f"ramp over after {ramp_s:.0f}s (reached: {reached}); quiet window {args.quiet}s")
-        cpu0, api_q0 = cpu_seconds(pid), api1
+        say(f"quiet window {args.quiet:.0f}s")
+        cpu0, api_q0 = cpu_seconds(pid), api_counters(cluster)["requests"]
         time.sleep(args.quiet)
         cpu1, api_q1 = cpu_seconds(pid), api_counters(cluster)["requests"]
         metrics_end = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
@@ -545,6 +550,7 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "operator_peak_rss_mib": peak_rss_mib(pid),
             "operator_rss_end_mib": rss_mib(pid),
             "quiet_window_s": args.quiet,
+            "settle_s": args.settle,
             "operator_cpu_cores_quiet": (cpu1 - cpu0) / args.quiet,
             "reconcile_passes": metrics_end["count"],
             "reconcile_p50_s": quantile(metrics_end, 0.5),
@@ -676,6 +682,9 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--timeout", type=float, default=1500, help="scale: ramp limit (s)")
     parser.add_argument("--quiet", type=float, default=60, help="scale: quiet window (s)")
+    parser.add_argument(
+        "--settle", type=float, default=0, help="scale: wait between the ramp and the window (s)"
+    )
     parser.add_argument(
         "--controller-qps",
         type=int,
