@@ -385,6 +385,10 @@ def _wait_for(predicate, timeout_s: float, what: str, processes=()):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _logged(path: Path, text: str) -> bool:
+    return path.exists() and text in path.read_text()
+
+
 def _trainer_step(out: Path) -> int:
     records = _records(out / "metrics-trainer-0.jsonl")
     return records[-1]["step"] if records else 0
@@ -426,13 +430,28 @@ def fault_run(tiny_model, tmp_path_factory):
     config_path = out / "config.json"
     config_path.write_text(config.dump())
     logs = {name: out / f"{name}.log" for name in ("trainer", "rollout-0", "rollout-1")}
-    trainer = _spawn(config_path, "trainer", 0, 1, logs["trainer"])
+    # the rollouts first, the trainer once both are up (engine built, metrics served): started
+    # together, one rollout could feed the first steps alone while the other still imported
     rollouts = [_spawn(config_path, "rollout", i, 2, logs[f"rollout-{i}"]) for i in range(2)]
+    _wait_for(
+        lambda: all(_logged(logs[f"rollout-{i}"], "metrics on http") for i in range(2)),
+        300,
+        "both rollouts up",
+        rollouts,
+    )
+    trainer = _spawn(config_path, "trainer", 0, 1, logs["trainer"])
     replacement = None
     facts: dict = {}
     try:
         alive = (trainer, *rollouts)
-        _wait_for(lambda: _trainer_step(out) >= 5, 300, "5 trainer steps", alive)
+        # both rollouts must have sent before one is killed: rollout-0 alone can feed 5 steps
+        # while rollout-1 is still importing (CI at fac0f2c: no record of rollout-1 to read)
+        _wait_for(
+            lambda: _trainer_step(out) >= 5 and _records(out / "metrics-rollout-1.jsonl"),
+            300,
+            "5 trainer steps and a batch from rollout-1",
+            alive,
+        )
         os.killpg(rollouts[1].pid, signal.SIGKILL)
         rollouts[1].wait()
         facts["killed_at_step"] = _trainer_step(out)
