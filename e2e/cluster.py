@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e import jobset, kueue, realnode
+from rljob_workers.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = Path(os.environ.get("RLJOB_CLUSTER_DIR", "/tmp/rljob-cluster"))
@@ -118,13 +118,6 @@ def binary(name: str) -> Path:
         how = "scripts/build_controlplane.sh jobset" if name == "jobset" else "scripts/setup.sh"
         raise FileNotFoundError(f"{path} is missing: run {how} (it builds the binaries)")
     return path
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

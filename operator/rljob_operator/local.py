@@ -8,7 +8,6 @@ processes with a live progress display and a final report.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -25,13 +24,7 @@ from rljob_operator.builders import (
 )
 from rljob_operator.conversion import parse_any_version
 from rljob_workers.config import Endpoints
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from rljob_workers.ports import free_port
 
 CORES_PER_LOCAL_ACTOR = 2
 """A local colocated actor gets at least this many cores: on 2 cores a second actor process bought
@@ -107,9 +100,9 @@ def run_manifest_locally(
     )
     endpoints = Endpoints(
         trainer_host="127.0.0.1",
-        rendezvous_port=_free_port(),
-        experience_port=_free_port(),
-        weights_port=_free_port(),
+        rendezvous_port=free_port(),
+        experience_port=free_port(),
+        weights_port=free_port(),
         metrics_port=0,
     )
     config = build_worker_config(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from rljob_workers.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return int(probe.getsockname()[1])
 
 
 def run_two_ranks(script: str, out_dir: Path, what: str, timeout: float = 300) -> list[Any]:

@@ -33,7 +33,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -64,6 +63,7 @@ from rljob_workers.control import ControlWatcher
 from rljob_workers.engine import make_engine
 from rljob_workers.learner import Learner
 from rljob_workers.policy import PolicyModel
+from rljob_workers.ports import free_port
 from rljob_workers.staleness import ACCOUNTING_FILE, StalenessAccounting, must_hold
 from rljob_workers.tinymodel import build_tiny_model, build_tokenizer
 from rljob_workers.trainer_worker import TrainerWorker, experience_of
@@ -81,12 +81,6 @@ LEARNING_THRESHOLD = 0.3
 def tiny_model(tmp_path_factory):
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-model", seed=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _config(model, tmp_path: Path, **overrides) -> WorkerConfig:
@@ -112,9 +106,9 @@ def _config(model, tmp_path: Path, **overrides) -> WorkerConfig:
         "weight_sync": WeightSyncConfig(method="http", compression="bf16"),
         "checkpoint": CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=0),
         "endpoints": Endpoints(
-            experience_port=_free_port(),
-            weights_port=_free_port(),
-            rendezvous_port=_free_port(),
+            experience_port=free_port(),
+            weights_port=free_port(),
+            rendezvous_port=free_port(),
             metrics_port=0,
         ),
         "output_dir": str(tmp_path),
@@ -608,7 +602,7 @@ def test_fault_trainer_checkpoints_and_a_restarted_trainer_serves_its_version(fa
     config = fault_run["config"].model_copy(
         update={
             "output_dir": str(tmp_path),
-            "endpoints": Endpoints(experience_port=_free_port(), weights_port=_free_port()),
+            "endpoints": Endpoints(experience_port=free_port(), weights_port=free_port()),
         }
     )
     env = ProcessEnv(role="trainer", config_path=str(tmp_path / "config.json"), token=TOKEN)

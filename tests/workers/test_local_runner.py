@@ -38,6 +38,7 @@ from rljob_workers.config import (
 )
 from rljob_workers.local_runner import localize_config, run_local
 from rljob_workers.main import validate_worker_config
+from rljob_workers.ports import ephemeral_range
 from rljob_workers.tinymodel import build_tiny_model
 
 WORKERS_ROOT = Path(__file__).resolve().parents[2] / "workers"
@@ -144,6 +145,12 @@ def test_localize_config_uses_loopback_free_ports_and_workdir(tiny_model, tmp_pa
     local = localize_config(_config(tiny_model), tmp_path)
     assert local.endpoints.trainer_host == "127.0.0.1"
     assert local.endpoints.rendezvous_port not in (0, 29500)
+    # never from the kernel's client-port range, where an outgoing connection can take it first
+    low, high = ephemeral_range()
+    ports = {local.endpoints.rendezvous_port, local.endpoints.experience_port}
+    ports.add(local.endpoints.weights_port)
+    assert len(ports) == 3
+    assert all(not low <= port <= high for port in ports), (ports, (low, high))
     assert local.output_dir == str(tmp_path)
     assert local.checkpoint.dir == str(tmp_path / "checkpoints")
 

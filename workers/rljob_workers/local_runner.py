@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import IO, Any
 from rljob_workers.checkpoint import checkpoint_step, resume_point
 from rljob_workers.config import CheckpointConfig, Role, WorkerConfig
 from rljob_workers.metrics import metrics_log_path
+from rljob_workers.ports import free_port
 from rljob_workers.report import render_summary_table, summarize_records, write_plots
 
 __all__ = [
@@ -108,12 +108,6 @@ def plan_processes(processes: Mapping[Role, int]) -> list[ProcessSpec]:
     return specs
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def localize_config(config: WorkerConfig, workdir: Path) -> WorkerConfig:
     """The config with loopback endpoints, free ports and paths inside ``workdir``."""
     checkpoint_dir = config.checkpoint.dir
@@ -122,9 +116,9 @@ def localize_config(config: WorkerConfig, workdir: Path) -> WorkerConfig:
     endpoints = config.endpoints.model_copy(
         update={
             "trainer_host": "127.0.0.1",
-            "rendezvous_port": _free_port(),
-            "experience_port": _free_port(),
-            "weights_port": _free_port(),
+            "rendezvous_port": free_port(),
+            "experience_port": free_port(),
+            "weights_port": free_port(),
         }
     )
     return config.model_copy(
