@@ -31,7 +31,7 @@ Writes bench/results/trl_bench.{json,png}.
 Ours runs with each rollout engine (``--engines vllm,hf``: vLLM in process, as the example, and
 the transformers engine, as TRL generates) and each actor count (``--actors 1,2``; counts after
 the first with the first engine only).
-Usage: .venv/bin/python -m bench.trl_bench [--seeds 3] [--steps 100] [--actors 1,2]
+Usage: .venv/bin/python -m bench.trl_bench [--seeds 3] [--first-seed 0] [--steps 100] [--actors 1,2]
        [--engines vllm,hf] [--no-trl]
 """
 
@@ -42,6 +42,7 @@ import importlib.metadata
 import io
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -337,13 +338,25 @@ def reward_spread(finals: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds run are first-seed .. first-seed+seeds-1"
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--actors", default="1", help="our actor counts, e.g. 1,2")
     parser.add_argument("--engines", default="vllm,hf", help="our rollout engines")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-trl", action="store_true", help="ours only (no TRL install)")
     parser.add_argument("--out", type=Path, default=RESULTS / "trl_bench.json")
+    parser.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        metavar="RESULT",
+        help="run nothing: pool the seeds of earlier results (runs of other seeds) into --out",
+    )
     args = parser.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out, argv)
     engines = args.engines.split(",")
     systems = [  # actor counts beyond the first run with the first engine only
         (f"ours, {engine}, {actors} actor(s)", engine, actors)
@@ -360,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         from rljob_workers.tinymodel import build_tiny_model
 
         model = build_tiny_model(Path(tmp) / "tiny", seed=0)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for index, (name, engine, actors) in enumerate(
                 systems if seed % 2 == 0 else systems[::-1]  # alternate the order
             ):
@@ -399,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "trl_version": None if python is None else trl_version(),
         "settings": {**example_settings(), "steps": args.steps, "threads": args.threads},
         "summary": summary,
-        "ratios_ours_over_trl": _ratios(summary),
+        "ratios_ours_over_trl": _ratios(summary, runs),
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -407,6 +420,46 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     if any(s.get("ok") for s in summary.values()):
         _plot(result, args.out.with_suffix(".png"))
+    return 0
+
+
+def combine(paths: list[Path], out: Path, argv: list[str] | None) -> int:
+    """Pool the runs of earlier results by system (a seed seen twice keeps its first run; rewards
+    repeat exactly per seed), recompute the summary and ratios, write ``out`` and its plot."""
+    results = [json.loads(path.read_text()) for path in paths]
+    settings = [{k: v for k, v in r["settings"].items() if k != "threads"} for r in results]
+    if any(s != settings[0] for s in settings[1:]):
+        raise SystemExit(f"--combine: the results were run with different settings: {settings}")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        for name, rows in result["runs"].items():
+            seen = {r["seed"] for r in runs.get(name, [])}
+            runs.setdefault(name, []).extend(r for r in rows if r["seed"] not in seen)
+    for rows in runs.values():
+        rows.sort(key=lambda r: r["seed"])
+    summary = {name: summarize(rows) for name, rows in runs.items()}
+    combined = {
+        "command": " ".join(["python -m bench.trl_bench", *(argv or sys.argv[1:])]),
+        "combined_from": [
+            {"file": str(path), "command": r["command"], "started_unix": r["started_unix"]}
+            for path, r in zip(paths, results, strict=True)
+        ],
+        "started_unix": min(r["started_unix"] for r in results),
+        "duration_s": sum(r["duration_s"] for r in results),
+        "load_avg_start": results[0]["load_avg_start"],
+        "load_avg_end": results[-1]["load_avg_end"],
+        "cpus": results[0]["cpus"],
+        "trl_version": results[0]["trl_version"],
+        "settings": results[0]["settings"],
+        "summary": summary,
+        "ratios_ours_over_trl": _ratios(summary, runs),
+        "runs": runs,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(combined, indent=1))
+    print_table(combined)
+    if any(s.get("ok") for s in summary.values()):
+        _plot(combined, out.with_suffix(".png"))
     return 0
 
 
@@ -420,7 +473,29 @@ def _brief(run: dict[str, Any]) -> str:
     )
 
 
-def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+def _finals(runs: list[dict[str, Any]]) -> list[float]:
+    return [float(r["final_reward"]) for r in runs if r.get("ok")]
+
+
+def permutation_p(a: list[float], b: list[float], *, rounds: int = 20_000, seed: int = 0) -> float:
+    """Two-sided p-value of ``mean(a) - mean(b)`` under random relabelling of the pooled seeds
+    (no normality assumed: final rewards are bimodal, learned or not)."""
+    if not a or not b:
+        return float("nan")
+    observed = abs(statistics.fmean(a) - statistics.fmean(b))
+    pooled = [*a, *b]
+    rng = random.Random(seed)
+    extreme = 0
+    for _ in range(rounds):
+        rng.shuffle(pooled)
+        left, right = pooled[: len(a)], pooled[len(a) :]
+        extreme += abs(statistics.fmean(left) - statistics.fmean(right)) >= observed - 1e-12
+    return (extreme + 1) / (rounds + 1)
+
+
+def _ratios(
+    summary: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, dict[str, float]]:
     trl = summary.get(TRL_NAME)
     if not trl or not trl.get("ok"):
         return {}
@@ -436,6 +511,9 @@ def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
                 # Welch: the difference of means +- 2 standard errors (~95%)
                 "final_reward_2se": 2
                 * (ours["final_reward_sem"] ** 2 + trl["final_reward_sem"] ** 2) ** 0.5,
+                "final_reward_permutation_p": permutation_p(
+                    _finals(runs[name]), _finals(runs[TRL_NAME])
+                ),
             }
     return out
 
@@ -464,7 +542,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"{name} / TRL: completions/s wall {r['completions_per_s_wall']:.2f}x, loop "
             f"{r['completions_per_s_loop']:.2f}x, final reward {r['final_reward']:+.3f} "
-            f"(± {r['final_reward_2se']:.3f}, 2 standard errors)"
+            f"(± {r['final_reward_2se']:.3f}, 2 standard errors; permutation p "
+            f"{r.get('final_reward_permutation_p', float('nan')):.2f})"
         )
     print(f"load average start {result['load_avg_start']}, end {result['load_avg_end']}")
 

@@ -111,3 +111,62 @@ def test_trl_side_runs_the_matched_grpo_trainer(tmp_path: Path) -> None:
     assert {"imports", "model_load", "trainer_init", "first_step"} <= set(run["startup_phases_s"])
     assert run["loop_s"] < run["wall_s"]
     assert len(run["rewards"]) == 2  # one per generation batch of 128, as our steps
+
+
+def test_permutation_p_separates_a_shift_from_noise() -> None:
+    from bench.trl_bench import permutation_p
+
+    same = permutation_p([0.1, 0.9, 0.5, 0.7], [0.7, 0.5, 0.9, 0.1])
+    shifted = permutation_p([0.9, 0.95, 0.92, 0.97, 0.91, 0.93], [0.1, 0.12, 0.05, 0.2, 0.15, 0.1])
+    assert same > 0.9
+    assert shifted < 0.01
+
+
+def _result(seeds: range, rewards: dict[str, list[float]], command: str) -> dict[str, object]:
+    runs = {
+        name: [{**_run(20, 10, r), "seed": s} for s, r in zip(seeds, values, strict=True)]
+        for name, values in rewards.items()
+    }
+    return {
+        "command": command,
+        "started_unix": 1.0,
+        "duration_s": 10.0,
+        "load_avg_start": [1.0, 1.0, 1.0],
+        "load_avg_end": [1.0, 1.0, 1.0],
+        "cpus": 2,
+        "trl_version": "1.16.0",
+        "settings": {**example_settings(), "steps": 100, "threads": 1},
+        "runs": runs,
+    }
+
+
+def test_combine_pools_seeds_once_each_and_recomputes(tmp_path: Path) -> None:
+    from bench.trl_bench import TRL_NAME
+
+    first = _result(range(0, 2), {"ours": [0.0, 1.0], TRL_NAME: [0.5, 0.5]}, "a")
+    # seed 1 again (its first run is kept), then 2 and 3
+    second = _result(range(1, 4), {"ours": [0.2, 1.0, 1.0], TRL_NAME: [0.0, 0.5, 0.5]}, "b")
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, result in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(result))
+    out = tmp_path / "all.json"
+    assert main(["--combine", *map(str, paths), "--out", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    assert [r["seed"] for r in pooled["runs"]["ours"]] == [0, 1, 2, 3]
+    assert pooled["summary"]["ours"]["final_reward_mean"] == pytest.approx(0.75)
+    assert pooled["summary"][TRL_NAME]["final_reward_mean"] == pytest.approx(0.5)
+    assert pooled["ratios_ours_over_trl"]["ours"]["final_reward"] == pytest.approx(0.25)
+    assert 0 < pooled["ratios_ours_over_trl"]["ours"]["final_reward_permutation_p"] <= 1
+    assert [c["command"] for c in pooled["combined_from"]] == ["a", "b"]
+    assert out.with_suffix(".png").exists()
+
+
+def test_combine_refuses_results_of_different_settings(tmp_path: Path) -> None:
+    first = _result(range(0, 1), {"ours": [0.5]}, "a")
+    second = _result(range(1, 2), {"ours": [0.5]}, "b")
+    second["settings"] = {**second["settings"], "learning_rate": 1e-3}  # type: ignore[dict-item]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, result in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="different settings"):
+        main(["--combine", *map(str, paths), "--out", str(tmp_path / "x.json")])
