@@ -34,6 +34,7 @@ with ``RLJOB_REAL_NODE=0``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -240,6 +241,11 @@ def real_job(
     )
 
 
+def _cores(quantity: str) -> float:
+    """A CPU quantity in cores ("500m" -> 0.5, "2" -> 2.0)."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
 def _status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
     """The job's status ({} while it does not exist yet)."""
     out = cluster.kubectl("get", "rlj", name, "-n", ns, "-o", "json", check=False)
@@ -286,9 +292,18 @@ def test_grpo_colocated_runs_as_real_pods_to_succeeded(
         pod = pods[0]["metadata"]["name"]
         logs = real_cluster.kubectl("logs", "-n", ns, pod).stdout
         assert "step " in logs, logs[-2000:]
-        probe = "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"
+        probe = (
+            "import getpass, os; "
+            "print(getpass.getuser(), os.environ['HOME'], os.environ.get('OMP_NUM_THREADS'))"
+        )
         who = real_cluster.kubectl("exec", "-n", ns, pod, "--", "python", "-c", probe).stdout
-        assert who.split() == ["worker", "/home/rljob"]
+        # threads as the pod's CPU allows (its limit, else its request, in whole cores), not
+        # one per core of the node
+        resources = pods[0]["spec"]["containers"][0]["resources"]
+        cpu = resources.get("limits", {}).get("cpu") or resources["requests"]["cpu"]
+        threads = str(math.ceil(_cores(cpu)))
+        assert who.split() == ["worker", "/home/rljob", threads], (who, resources)
+        assert f"torch threads: {threads} (OMP_NUM_THREADS={threads})" in logs, logs[-2000:]
         table = real_cluster.kubectl("get", "rlj", name, "-n", ns).stdout
         assert "STEP" in table and "PHASE" in table
         out, _ = follower.communicate(timeout=1800)

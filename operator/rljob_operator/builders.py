@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -568,6 +569,26 @@ def _scheduling(pod_spec: dict[str, Any], spec: RLJobSpec, gpus: int) -> None:
         pod_spec["tolerations"] = tolerations
 
 
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def cpu_threads_env(container: str, limits: Mapping[str, object]) -> dict[str, Any]:
+    """``OMP_NUM_THREADS`` for a worker container: its CPU limit where it has one, else its CPU
+    request, rounded up to whole cores by the downward API (``divisor: 1``).
+
+    torch and OpenMP otherwise start one thread per core of the *node*: a pod given 4 cores on a
+    96-core node would run 48 threads and spend its time throttled by its CPU quota (Kubeflow
+    Trainer and torchrun set the variable for the same reason). A user's own ``OMP_NUM_THREADS``
+    (``spec.worker.env`` or a role's ``podTemplateOverrides.env``) replaces this one."""
+    resource = "limits.cpu" if "cpu" in limits else "requests.cpu"
+    return {
+        "name": THREADS_ENV,
+        "valueFrom": {
+            "resourceFieldRef": {"containerName": container, "resource": resource, "divisor": "1"}
+        },
+    }
+
+
 def _container(
     spec: RLJobSpec,
     job: JobRef,
@@ -635,6 +656,9 @@ def _container(
     for name, default in DEFAULT_REQUESTS.items():  # never BestEffort
         if name not in requests and name not in limits:
             requests[name] = default
+    user_env = own | {str(e.get("name")) for e in role_overrides(spec, role).env}
+    if THREADS_ENV not in user_env:
+        env.insert(0, cpu_threads_env(role, limits))
     container["readinessProbe"] = READINESS_PROBE
     if requests or limits:
         container["resources"] = {

@@ -415,3 +415,42 @@ def test_parse_overrides_of_operator_owned_fields_refused_naming_path(
     with pytest.raises(SpecError) as info:
         load_example("grpo-colocated", trainer={"replicas": 2, "podTemplateOverrides": overrides})
     assert info.value.problems == [message]
+
+
+def _threads_env(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "OMP_NUM_THREADS"]
+
+
+def test_build_pod_threads_follow_the_cpu_request_by_default() -> None:
+    job = load_example("grpo-colocated")
+    pod = build_pod(job.spec, REF, "actor", 0, topology="colocated", config_digest="a")
+    ref = {"containerName": "actor", "resource": "requests.cpu", "divisor": "1"}
+    assert _threads_env(pod) == [
+        {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": ref}}
+    ]
+    assert pod["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1"
+
+
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+def test_build_pod_threads_follow_the_cpu_limit_where_set(role: str) -> None:
+    dapo = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())["spec"]
+    section = {**dapo[role], "resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "6"}}}
+    job = load_example("dapo-disaggregated", **{role: section})
+    pod = build_pod(job.spec, REF, role, 0, topology="disaggregated", config_digest="a")
+    (threads,) = _threads_env(pod)
+    ref = threads["valueFrom"]["resourceFieldRef"]
+    assert (ref["containerName"], ref["resource"], ref["divisor"]) == (role, "limits.cpu", "1")
+
+
+def test_build_pod_user_threads_replace_ours_from_spec_env_or_overrides() -> None:
+    mine = {"name": "OMP_NUM_THREADS", "value": "3"}
+    job = load_example("grpo-colocated", worker={"env": [mine]})
+    pod = build_pod(job.spec, REF, "actor", 0, topology="colocated", config_digest="a")
+    assert _threads_env(pod) == [mine]
+    dapo = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())["spec"]
+    trainer = {**dapo["trainer"], "podTemplateOverrides": {"env": [mine]}}
+    job = load_example("dapo-disaggregated", trainer=trainer)
+    pod = build_pod(job.spec, REF, "trainer", 0, topology="disaggregated", config_digest="a")
+    assert _threads_env(pod) == [mine]
+    rollout = build_pod(job.spec, REF, "rollout", 0, topology="disaggregated", config_digest="a")
+    assert _threads_env(rollout)[0]["valueFrom"]["resourceFieldRef"]["containerName"] == "rollout"

@@ -280,3 +280,18 @@ def test_run_local_rerun_of_complete_job_runs_nothing_then_more_steps_resume(tin
     assert further.ok, further.failure
     assert "resuming at step 3" in out.getvalue()
     assert [r["step"] for r in further.records["actor-0"]] == [4]
+
+
+def test_worker_logs_torch_threads_and_their_source(monkeypatch, caplog):
+    import torch
+
+    from rljob_workers.main import _log_threads
+
+    caplog.set_level("INFO", logger="rljob_workers")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    _log_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    _log_threads()
+    n = torch.get_num_threads()
+    assert f"torch threads: {n} (OMP_NUM_THREADS=1)" in caplog.text
+    assert f"torch threads: {n} (OMP_NUM_THREADS unset: one per core)" in caplog.text

@@ -249,6 +249,7 @@ def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
         raise ConfigError(problems)
     _seed_everything(config.seed + env.rank)
     _quiet_libraries()
+    _log_threads()
     if env.role == "rollout":
         from rljob_workers.rollout_worker import run_rollout_process
 
@@ -260,6 +261,19 @@ def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     from rljob_workers.colocated import run_colocated
 
     return run_colocated(config, env)
+
+
+def _log_threads() -> None:
+    """Log torch's CPU thread count and where it came from (the operator sets
+    ``OMP_NUM_THREADS`` from the pod's CPU limit or request)."""
+    import torch
+
+    source = os.environ.get("OMP_NUM_THREADS")
+    log.info(
+        "torch threads: %d (%s)",
+        torch.get_num_threads(),
+        f"OMP_NUM_THREADS={source}" if source else "OMP_NUM_THREADS unset: one per core",
+    )
 
 
 def _load_config(env: ProcessEnv) -> WorkerConfig:
