@@ -38,7 +38,6 @@ import math
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -261,6 +260,9 @@ def _delete_job(cluster: LocalCluster, ns: str, name: str) -> None:
 
 GRPO_STEPS = 40
 LINE = re.compile(r"^\[(?P<job>[\w-]+)\] step (?P<step>\d+)/\d+  reward (?P<reward>[\d.]+)")
+SUMMARY_ROW = re.compile(
+    r"│\s*Succeeded\s*│\s*(?P<steps>\d+)\s*│\s*(?P<first>[\d.]+)\s*│\s*(?P<last>[\d.]+)\s*│"
+)
 
 
 @pytest.mark.timeout(1800)  # vLLM pods on 2 shared cores: 12-14 min at load 20-26
@@ -315,10 +317,16 @@ def test_grpo_colocated_runs_as_real_pods_to_succeeded(
     st = _status(real_cluster, ns, name)
     assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
     assert st["step"] == GRPO_STEPS
+    # progress lines while it ran (rate-limited: how many depends on the job's speed, which
+    # since workers take their threads from the pod's CPU is ~36 s for the 40 steps) ...
     rewards = [float(m["reward"]) for m in map(LINE.match, out.splitlines()) if m]
-    assert len(rewards) >= 10, out[-3000:]
-    baseline, final = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    assert len(rewards) >= 2, out[-3000:]
+    # ... and the closing table: the first and the last step's reward
+    row = SUMMARY_ROW.search(out)
+    assert row is not None, out[-3000:]
+    steps, baseline, final = int(row["steps"]), float(row["first"]), float(row["last"])
     print(f"grpo-colocated on real pods: reward {baseline:.3f} -> {final:.3f}")
+    assert steps == GRPO_STEPS
     assert final > baseline
 
 
