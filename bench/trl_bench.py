@@ -415,11 +415,16 @@ def main(argv: list[str] | None = None) -> int:
         "ratios_ours_over_trl": _ratios(summary, runs),
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    return _write(result, args.out)
+
+
+def _write(result: dict[str, Any], out: Path) -> int:
+    """Write ``result`` to ``out``, print its table, and plot it beside ``out`` (as PNG)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     print_table(result)
-    if any(s.get("ok") for s in summary.values()):
-        _plot(result, args.out.with_suffix(".png"))
+    if any(s.get("ok") for s in result["summary"].values()):
+        _plot(result, out.with_suffix(".png"))
     return 0
 
 
@@ -455,12 +460,7 @@ def combine(paths: list[Path], out: Path, argv: list[str] | None) -> int:
         "ratios_ours_over_trl": _ratios(summary, runs),
         "runs": runs,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(combined, indent=1))
-    print_table(combined)
-    if any(s.get("ok") for s in summary.values()):
-        _plot(combined, out.with_suffix(".png"))
-    return 0
+    return _write(combined, out)
 
 
 def _brief(run: dict[str, Any]) -> str:
