@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
@@ -121,6 +121,22 @@ class TrainerConfig(_Model):
     replicas: int = 1
     gradient_compression: GradientCompressionConfig = GradientCompressionConfig()
     gradient_checkpointing: bool = False
+    sharding: Literal["fsdp", "ddp"] = Field(
+        "ddp",
+        description="fsdp: FSDP2 (parameters, gradients and optimizer state sharded over the "
+        "trainer ranks); ddp: a full replica per rank. A config without it (schema 2) is ddp.",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free gathered parameters after forward (ZeRO-3; False: ZeRO-2)"
+    )
+    cpu_offload: bool = Field(
+        False, description="fsdp: keep sharded parameters, gradients and optimizer state on CPU"
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        description="token budget (prompt + response) of one forward/backward; a minibatch is "
+        "split into micro-batches packed by length. None: one micro-batch per minibatch",
+    )
 
 
 class StalenessConfig(_Model):
@@ -142,6 +158,9 @@ class BufferConfig(_Model):
 class WeightSyncConfig(_Model):
     method: Literal["inProcess", "file", "http", "nccl"] = "inProcess"
     compression: Literal["none", "bf16", "fp8"] = "none"
+    bucket_mib: int = Field(
+        256, description="weights are gathered from the trainer's shards in buckets of this size"
+    )
 
 
 class CheckpointConfig(_Model):
