@@ -22,6 +22,7 @@ without rows in a minibatch that others have still joins the backward pass with 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rljob_workers.algos import (
     KL_ESTIMATORS,
@@ -50,8 +53,8 @@ from rljob_workers.algos import (
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
-from rljob_workers.config import AlgorithmConfig, GradientCompressionConfig, WorkerConfig
-from rljob_workers.ddp import global_sum, wrap_ddp
+from rljob_workers.config import AlgorithmConfig, WorkerConfig
+from rljob_workers.ddp import global_sum
 from rljob_workers.policy import (
     FloatRow,
     IdRow,
@@ -60,7 +63,9 @@ from rljob_workers.policy import (
     ValueModel,
     build_sequence_batch,
     pad_rows,
+    split_micro_batches,
 )
+from rljob_workers.sharding import ShardingPlan, full_tensor
 
 __all__ = [
     "ADAM_EPS",
@@ -161,18 +166,74 @@ def compute_policy_loss(
     return ppo_clip_policy_loss(logp, old_logp, advantages, mask, **common)
 
 
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch: its compacted rows and the prepared per-token tensors cut to match."""
+
+    batch: SequenceBatch
+    mask: Tensor
+    old_logp: Tensor
+    behaviour_logp: Tensor
+    advantages: Tensor
+    ref_logp: Tensor | None
+    old_values: Tensor | None
+    returns: Tensor | None
+
+    @classmethod
+    def of(cls, source: PreparedBatch, rows: Tensor, scale: float) -> _MicroBatch:
+        batch = source.batch.rows(rows).compact()
+        width = batch.response_mask.shape[1]
+
+        def cut(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor[rows, :width]
+
+        old_logp, behaviour, advantages = (
+            source.old_logp[rows, :width],
+            source.behaviour_logp[rows, :width],
+            source.advantages[rows, :width],
+        )
+        return cls(
+            batch,
+            batch.response_mask * scale,
+            old_logp,
+            behaviour,
+            advantages,
+            cut(source.ref_logp),
+            cut(source.old_values),
+            cut(source.returns),
+        )
+
+
+def _first(output: Any) -> Tensor:
+    """The tensor of a model's output (a policy returns ``(logp, entropy)``, a critic values)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _total(norm: Tensor) -> float:
+    """A gradient norm as a float (a sharded model's is a DTensor: its full value)."""
+    return float(full_tensor(norm))
+
+
+def _token_means(sums: dict[str, float], tokens: float) -> dict[str, float]:
+    """Metrics summed over micro-batches, as the minibatch's values: token-weighted sums
+    divided by the rank's tokens; ``loss`` and ``policy_loss`` are already whole."""
+    whole = {"loss", "policy_loss"}
+    return {k: v if k in whole else (v / tokens if tokens else 0.0) for k, v in sums.items()}
+
+
 class Learner:
     """One rank's optimizer, models and update rule (see the module docstring).
 
     Args:
         config: the job's worker config (algorithm, sampling, trainer settings).
-        policy: the trainable policy; its weights are what the caller serves or publishes.
+        policy: the trainable policy, fp32 (the master weights the optimizer steps); its
+            weights are what the caller serves or publishes.
         pad_id: the tokenizer's padding id.
         critic: the value model (needed for ``advantage_estimator: gae``), else None.
         reference: a frozen initial policy for the KL anchor (``kl_coef > 0``), else None.
         rank, world_size: this process in the training group; with ``world_size > 1`` the
-            default process group must be initialised and the models are wrapped in DDP (the
-            policy with the configured gradient compression).
+            default process group must be initialised, and the models are sharded (fsdp) or
+            wrapped in DDP (ddp) as ``trainer.sharding`` says.
     """
 
     def __init__(
@@ -200,21 +261,24 @@ class Learner:
         self.distributed = world_size > 1
         self.group_size = config.rollout.sampling.n
         self.minibatches = max(1, math.ceil(algo.batch_size / algo.mini_batch_size))
+        self.micro_batch_tokens = config.trainer.micro_batch_tokens
         self.normaliser = (
             float(config.rollout.sampling.max_tokens)
             if algo.loss_aggregation == "seq-mean-token-sum-norm"
             else None
         )
-        checkpointing = config.trainer.gradient_checkpointing
-        self.train_policy: nn.Module = policy
-        self.train_critic: nn.Module | None = critic
-        if self.distributed:
-            compression = config.trainer.gradient_compression
-            self.train_policy = wrap_ddp(policy, compression, gradient_checkpointing=checkpointing)
-            if critic is not None:
-                self.train_critic = wrap_ddp(
-                    critic, GradientCompressionConfig(), gradient_checkpointing=checkpointing
-                )
+        self.layout = ShardingPlan(
+            config.trainer,
+            compute_dtype=config.model.dtype,
+            world_size=world_size,
+            device=config.device,
+        )
+        self.train_policy: nn.Module = self.layout.wrap(policy)
+        self.train_critic: nn.Module | None = (
+            None if critic is None else self.layout.wrap(critic, compression=False)
+        )
+        if reference is not None:
+            self.layout.wrap(reference, trainable=False)
         self.optimizer = torch.optim.AdamW(
             policy.parameters(), lr=algo.learning_rate, eps=ADAM_EPS, weight_decay=0.0
         )
@@ -242,25 +306,66 @@ class Learner:
             if module is not None:
                 module.train()
 
+    def _agreed_count(self, local: int) -> int:
+        """The largest of every rank's ``local`` (sharded forwards are collectives: every rank
+        runs as many micro-batches as the busiest one)."""
+        if not self.distributed:
+            return local
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        count = torch.tensor([local], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
+
+    def _micro_batches(self, batch: SequenceBatch | None) -> list[Tensor | None]:
+        """Row indices of ``batch``'s micro-batches, padded with None up to the count of the
+        busiest rank (a None micro-batch runs the 1-token dummy with zero weight)."""
+        parts: list[Tensor | None] = []
+        if batch is not None:
+            parts.extend(split_micro_batches(batch, self.micro_batch_tokens))
+        return parts + [None] * (self._agreed_count(len(parts)) - len(parts))
+
+    def _score(
+        self, model: nn.Module, batch: SequenceBatch | None, parts: list[Tensor | None]
+    ) -> Tensor | None:
+        """``[B, T]`` outputs of ``model`` (log-probs or values) over ``batch``, micro-batch
+        by micro-batch (no gradients)."""
+        out = None if batch is None else torch.zeros(batch.response_mask.shape)
+        for rows in parts:
+            if rows is None or batch is None or out is None:
+                _first(model(self._dummy.batch))
+                continue
+            micro = batch.rows(rows).compact()
+            result = _first(model(micro)).float()
+            out[rows, : result.shape[1]] = result
+        return out
+
     @torch.no_grad()
-    def prepare(self, experience: Experience) -> PreparedBatch:
-        """Old log-probs, reference log-probs, values and advantages of ``experience``."""
+    def prepare(self, experience: Experience) -> PreparedBatch | None:
+        """Old log-probs, reference log-probs, values and advantages of ``experience``.
+
+        None for a rank without rows (it still runs its share of the sharded forwards)."""
         algo = self.algorithm
         self._eval()
-        batch = build_sequence_batch(
-            experience.prompt_ids, experience.response_ids, pad_id=self.pad_id
-        )
+        batch = None
+        if len(experience):
+            batch = build_sequence_batch(
+                experience.prompt_ids, experience.response_ids, pad_id=self.pad_id
+            )
+        parts = self._micro_batches(batch)
+        with self.layout.forward_context():
+            old_logp = self._score(self.policy, batch, parts)
+            ref_logp = None if self.reference is None else self._score(self.reference, batch, parts)
+            old_values = None if self.critic is None else self._score(self.critic, batch, parts)
+        if batch is None or old_logp is None:
+            return None
         mask = batch.response_mask
-        old_logp = self.policy.logprobs(batch)
         behaviour = pad_rows(experience.behaviour_logprobs, mask.shape[1]) * mask
-        ref_logp = None if self.reference is None else self.reference.logprobs(batch)
         scores = torch.tensor(list(experience.scores), dtype=torch.float32)
         penalty = None
         if ref_logp is not None and algo.kl_estimator not in LOSS_KL_ESTIMATORS:
             penalty = kl_reward_penalty(old_logp, ref_logp, mask, coef=algo.kl_coef)
         if algo.advantage_estimator == "gae":
-            assert self.critic is not None
-            old_values = self.critic(batch)
+            assert old_values is not None
             token_rewards = reward_at_last_token(scores, mask)
             if penalty is not None:
                 token_rewards = token_rewards - penalty
@@ -311,7 +416,7 @@ class Learner:
         0 up to numerics when the engine sampled with the learner's current weights).
         """
         epochs, minibatches = self.schedule(max_versions_behind)
-        prepared = self.prepare(experience) if len(experience) else None
+        prepared = self.prepare(experience)
         chunks = self.minibatch_rows(len(experience), seed, minibatches)
         totals: dict[str, list[float]] = {}
         steps = 0
@@ -379,103 +484,135 @@ class Learner:
     def _update_minibatch(
         self, prepared: PreparedBatch | None, rows: Tensor
     ) -> dict[str, float] | None:
-        """A critic step, then a policy step; None when no rank has a token (nothing stepped)."""
+        """A critic step, then a policy step, each accumulating gradients over the minibatch's
+        micro-batches; None when no rank has a token (nothing stepped)."""
         empty = prepared is None or rows.numel() == 0
         source = self._dummy if empty or prepared is None else prepared
         index = torch.zeros(1, dtype=torch.long) if empty else rows
-        batch = source.batch.rows(index)
-        mask = batch.response_mask * (0.0 if empty else 1.0)
+        scale = 0.0 if empty else 1.0
+        mask = source.batch.response_mask[index] * scale
         policy_denominator, tokens = self._denominators(mask)
         if tokens == 0:
             return None
-        share = self.world_size  # DDP averages the ranks' gradients: scale the count to match
+        parts = self._micro_batches(None if empty else source.batch.rows(index))
+        micro = [
+            _MicroBatch.of(self._dummy, torch.zeros(1, dtype=torch.long), 0.0)
+            if part is None
+            else _MicroBatch.of(source, index[part], scale)
+            for part in parts
+        ]
+        share = self.world_size  # DDP and FSDP average the ranks' gradients: scale to match
         metrics: dict[str, float] = {}
         if self.train_critic is not None:
-            metrics["value_loss"] = self._critic_step(source, index, batch, mask, tokens / share)
-        logp, entropy = self.train_policy(batch, with_entropy=True)
-        assert entropy is not None
-        loss, loss_metrics = self._policy_objective(
-            source, index, logp, entropy, mask, policy_denominator / share, tokens / share
+            metrics["value_loss"] = self._critic_step(micro, tokens / share)
+        local = (
+            float(
+                loss_denominator(mask, self.algorithm.loss_aggregation, normaliser=self.normaliser)
+            ),
+            float(mask.sum()),
         )
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.policy.parameters(), self.algorithm.max_grad_norm
+        sums: dict[str, float] = {}
+        for i, part in enumerate(micro):
+            with self._no_sync(self.train_policy, last=i == len(micro) - 1):
+                with self.layout.forward_context():
+                    logp, entropy = self.train_policy(part.batch, with_entropy=True)
+                assert entropy is not None
+                loss, loss_metrics = self._policy_objective(
+                    part, logp, entropy, policy_denominator / share, tokens / share, local
+                )
+                loss.backward()  # type: ignore[no-untyped-call]
+            for key, value in loss_metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+        grad_norm = _total(
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.algorithm.max_grad_norm)
         )
         self.optimizer.step()
         self.optimizer_steps += 1
         self.last_step_perf, self.last_step_wall = time.perf_counter(), time.time()
         if empty:
             return {}
-        metrics.update(loss_metrics)
-        metrics["loss"] = float(loss.detach())
-        metrics["grad_norm"] = float(grad_norm)
+        metrics.update(_token_means(sums, local[1]))
+        metrics["grad_norm"] = grad_norm
         return metrics
+
+    def _no_sync(self, module: nn.Module, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """DDP: all-reduce only in the last micro-batch's backward (FSDP reduce-scatters each
+        one into the sharded gradients, which keeps its memory at one shard)."""
+        if last or not isinstance(module, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return module.no_sync()
 
     def _policy_objective(
         self,
-        source: PreparedBatch,
-        index: Tensor,
+        part: _MicroBatch,
         logp: Tensor,
         entropy: Tensor,
-        mask: Tensor,
         denominator: float,
         tokens: float,
+        local: tuple[float, float],
     ) -> tuple[Tensor, dict[str, float]]:
+        """One micro-batch's share of the minibatch loss (divided by the minibatch's global
+        counts, so the micro-batches' gradients add up to the whole minibatch's), and sums of
+        its metrics (token-weighted, or over the rank's local denominator)."""
         algo = self.algorithm
         mode = algo.loss_aggregation
+        mask = part.mask
         per_token, raw = compute_policy_loss(
-            algo,
-            logp,
-            source.old_logp[index],
-            source.behaviour_logp[index],
-            source.advantages[index],
-            mask,
+            algo, logp, part.old_logp, part.behaviour_logp, part.advantages, mask
         )
         norm = {"normaliser": self.normaliser} if self.normaliser is not None else {}
         loss = aggregate_loss(per_token, mask, mode, denominator=denominator, **norm)
         entropy_mean = aggregate_loss(entropy, mask, "token-mean", denominator=tokens)
-        metrics = {
-            "policy_loss": float(aggregate_loss(per_token.detach(), mask, mode, **norm)),
-            "entropy": float(masked_mean(entropy.detach(), mask)),
+        weight = float(mask.sum())
+        local_denominator = local[0] or 1.0
+        sums = {
+            "policy_loss": float(
+                aggregate_loss(
+                    per_token.detach(), mask, mode, denominator=local_denominator, **norm
+                )
+            ),
+            "entropy": float(masked_sum(entropy.detach(), mask)),
         }
-        metrics.update({key: raw[key] for key in _REPORTED_LOSS_METRICS if key in raw})
+        sums.update({key: raw[key] * weight for key in _REPORTED_LOSS_METRICS if key in raw})
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * entropy_mean
-        ref = source.ref_logp
+        ref = part.ref_logp
         if ref is None:
-            metrics["kl"] = raw["approx_kl"]
+            sums["kl"] = raw["approx_kl"] * weight
         elif algo.kl_estimator in LOSS_KL_ESTIMATORS:
-            kl = KL_ESTIMATORS[algo.kl_estimator](logp, ref[index])
+            kl = KL_ESTIMATORS[algo.kl_estimator](logp, ref)
             loss = loss + algo.kl_coef * aggregate_loss(
                 kl, mask, mode, denominator=denominator, **norm
             )
-            metrics["kl"] = float(masked_mean(kl.detach(), mask))
+            sums["kl"] = float(masked_sum(kl.detach(), mask))
         else:
-            metrics["kl"] = float(masked_mean((logp - ref[index]).detach(), mask))
-        return loss, metrics
+            sums["kl"] = float(masked_sum((logp - ref).detach(), mask))
+        sums["loss"] = float(loss.detach())
+        return loss, sums
 
-    def _critic_step(
-        self,
-        source: PreparedBatch,
-        index: Tensor,
-        batch: SequenceBatch,
-        mask: Tensor,
-        tokens: float,
-    ) -> float:
+    def _critic_step(self, micro: list[_MicroBatch], tokens: float) -> float:
         assert self.train_critic is not None and self.critic is not None
         assert self.critic_optimizer is not None
-        assert source.returns is not None and source.old_values is not None
-        values = self.train_critic(batch)
-        per_token = clipped_value_loss(
-            values, source.old_values[index], source.returns[index], mask, clip=VALUE_CLIP
-        )
-        value_loss = aggregate_loss(per_token, mask, "token-mean", denominator=tokens)
         self.critic_optimizer.zero_grad(set_to_none=True)
-        value_loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.algorithm.max_grad_norm)
+        reported = 0.0
+        for i, part in enumerate(micro):
+            assert part.returns is not None and part.old_values is not None
+            with self._no_sync(self.train_critic, last=i == len(micro) - 1):
+                with self.layout.forward_context():
+                    values = self.train_critic(part.batch).float()
+                per_token = clipped_value_loss(
+                    values, part.old_values, part.returns, part.mask, clip=VALUE_CLIP
+                )
+                value_loss = aggregate_loss(per_token, part.mask, "token-mean", denominator=tokens)
+                value_loss.backward()  # type: ignore[no-untyped-call]
+            reported += float(masked_sum(per_token.detach(), part.mask))
+        _total(
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.algorithm.max_grad_norm)
+        )
         self.critic_optimizer.step()
-        return float(aggregate_loss(per_token.detach(), mask, "token-mean"))
+        local_tokens = sum(float(part.mask.sum()) for part in micro)
+        return reported / local_tokens if local_tokens else 0.0
 
     # -------------------------------------------------------------------------- checkpoints
 
@@ -496,13 +633,15 @@ def build_learner(config: WorkerConfig, *, pad_id: int, rank: int, world_size: i
 
     The policy divides its logits by ``rollout.sampling.temperature``, the distribution the
     tokens were drawn from, so ratios, gradients and KL are those of the sampling policy.
+    The policy and the critic load in fp32, the master weights the optimizer steps (the
+    forward computes in ``model.dtype``); the frozen reference loads in ``model.dtype``.
     """
     model = config.model
     checkpointing = config.trainer.gradient_checkpointing
     temperature = config.rollout.sampling.temperature or 1.0
     policy = PolicyModel.from_pretrained(
         model.path,
-        dtype=model.dtype,
+        dtype="float32",
         device=config.device,
         temperature=temperature,
         gradient_checkpointing=checkpointing,
@@ -511,7 +650,7 @@ def build_learner(config: WorkerConfig, *, pad_id: int, rank: int, world_size: i
     if config.algorithm.advantage_estimator == "gae":
         critic = ValueModel.from_pretrained(
             model.path,
-            dtype=model.dtype,
+            dtype="float32",
             device=config.device,
             gradient_checkpointing=checkpointing,
         )

@@ -18,10 +18,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from rljob_workers.algos import entropy_from_logits
+from rljob_workers.sharding import full_tensor
 
 __all__ = [
+    "LOGIT_CHUNK_TOKENS",
     "FloatRow",
     "IdRow",
     "PolicyModel",
@@ -31,12 +34,16 @@ __all__ = [
     "load_causal_lm",
     "pad_rows",
     "pad_token_id",
+    "split_micro_batches",
 ]
 
 IdRow = Sequence[int] | npt.NDArray[np.integer[Any]]
 """One row of token ids: a list (an engine's output) or an integer array (a ``Trajectory``)."""
 FloatRow = Sequence[float] | npt.NDArray[np.floating[Any]]
 """One row of log-probs: a list or a float array."""
+
+LOGIT_CHUNK_TOKENS = 1024
+"""Tokens whose vocabulary-sized fp32 logits exist at once in a forward or backward pass."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -77,6 +84,51 @@ class SequenceBatch:
             response_mask=self.response_mask[index],
             prompt_width=self.prompt_width,
         )
+
+    def compact(self) -> SequenceBatch:
+        """The same rows without the columns that are padding in every row (left of the
+        longest prompt, right of the longest response; at least one response column)."""
+        real = self.attention_mask.sum(dim=0) > 0
+        left = int(real[: self.prompt_width].long().argmax()) if bool(real.any()) else 0
+        lengths = self.response_mask.sum(dim=1)
+        width_t = max(1, int(lengths.max())) if lengths.numel() else 1
+        end = self.prompt_width + width_t
+        return SequenceBatch(
+            input_ids=self.input_ids[:, left:end],
+            attention_mask=self.attention_mask[:, left:end],
+            position_ids=self.position_ids[:, left:end],
+            response_mask=self.response_mask[:, :width_t],
+            prompt_width=self.prompt_width - left,
+        )
+
+
+def split_micro_batches(batch: SequenceBatch, token_budget: int | None) -> list[Tensor]:
+    """Row indices of micro-batches of at most ``token_budget`` padded tokens each.
+
+    Rows are packed by length (longest first, greedily), so each micro-batch pads to little
+    more than its own rows; a row longer than the budget is a micro-batch of its own. None (or
+    a batch within the budget) gives one micro-batch of every row, in order.
+    """
+    rows = int(batch.input_ids.shape[0])
+    everything = torch.arange(rows)
+    if token_budget is None or rows == 0:
+        return [everything] if rows else []
+    prompt = batch.attention_mask[:, : batch.prompt_width].sum(dim=1)
+    response = batch.response_mask.sum(dim=1).long()
+    if rows * int(prompt.max() + response.clamp(min=1).max()) <= token_budget:
+        return [everything]
+    order = sorted(range(rows), key=lambda r: (-int(prompt[r] + response[r]), r))
+    groups: list[list[int]] = []
+    widest_p = widest_t = 0
+    for row in order:
+        p, t = int(prompt[row]), max(1, int(response[row]))
+        if groups and (len(groups[-1]) + 1) * (max(widest_p, p) + max(widest_t, t)) <= token_budget:
+            groups[-1].append(row)
+            widest_p, widest_t = max(widest_p, p), max(widest_t, t)
+            continue
+        groups.append([row])
+        widest_p, widest_t = p, t
+    return [torch.tensor(sorted(group)) for group in groups]
 
 
 def build_sequence_batch(
@@ -207,9 +259,64 @@ class PolicyModel(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) of the response tokens.
 
+        Only the response positions go through the LM head, in chunks of at most
+        ``LOGIT_CHUNK_TOKENS`` tokens whose fp32 logits are recomputed in the backward pass
+        instead of kept, so a micro-batch never holds vocabulary-sized fp32 logits for all of
+        its tokens. Models whose head scales or caps its logits take the plain path.
+
         Returns:
             ``(logp [B, T], entropy [B, T] or None)``; both 0 at padded positions.
         """
+        if self._plain_head:
+            return self._forward_full_logits(batch, with_entropy=with_entropy)
+        out = self.model.get_decoder()(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+        hidden = _response_slice(batch, out.last_hidden_state)
+        targets = batch.response_ids
+        rows, width = targets.shape
+        step = max(1, LOGIT_CHUNK_TOKENS // max(rows, 1))
+        logps: list[Tensor] = []
+        entropies: list[Tensor] = []
+        for start in range(0, width, step):
+            part = (hidden[:, start : start + step], targets[:, start : start + step])
+            if torch.is_grad_enabled():
+                logp, entropy = checkpoint(
+                    self._score_chunk, *part, with_entropy, use_reentrant=False
+                )
+            else:
+                logp, entropy = self._score_chunk(*part, with_entropy)
+            logps.append(logp)
+            entropies.append(entropy)
+        mask = batch.response_mask
+        logp_all = torch.cat(logps, dim=1) * mask
+        return logp_all, (torch.cat(entropies, dim=1) * mask if with_entropy else None)
+
+    def _score_chunk(
+        self, hidden: Tensor, targets: Tensor, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        # contiguous: a strided input can take another matmul kernel (last-bit differences
+        # between a trainable policy and its frozen reference)
+        logits = self.model.get_output_embeddings()(hidden.contiguous()).float() / self.temperature
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = entropy_from_logits(logits) if with_entropy else torch.zeros_like(logp)
+        return logp, entropy
+
+    @property
+    def _plain_head(self) -> bool:
+        config = getattr(self.model, "config", None)
+        return any(
+            getattr(config, name, None) not in (None, 1.0)
+            for name in ("final_logit_softcapping", "logit_scale")
+        ) or not hasattr(self.model, "get_decoder")
+
+    def _forward_full_logits(
+        self, batch: SequenceBatch, *, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
         out = self.model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -234,19 +341,22 @@ class PolicyModel(nn.Module):
         ]
         return torch.cat(parts, dim=0)
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(name, tensor)`` pairs in the checkpoint's naming, for a rollout engine to load.
 
-        Tensors are detached views of the live parameters (no copy); an engine that keeps
-        them must copy. Tied weights appear once, under their first name.
+        Sharded parameters are gathered one tensor at a time (a collective: every rank of the
+        group must iterate in step), so no rank holds more than one whole tensor beyond its
+        shard. ``dtype`` casts each tensor (the engine's dtype; the trainer keeps fp32 masters).
+        Unsharded tensors are detached views of the live parameters unless cast: an engine
+        that keeps them must copy. Tied weights appear once, under their first name.
         """
         seen: set[int] = set()
-        for name, tensor in self.model.state_dict().items():
-            key = tensor.data_ptr()
-            if key in seen:
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:  # the same object on every rank: the ranks skip in step
                 continue
-            seen.add(key)
-            yield name, tensor.detach()
+            seen.add(id(tensor))
+            full = full_tensor(tensor.detach())
+            yield name, full if dtype is None else full.to(dtype)
 
 
 class ValueModel(nn.Module):

@@ -1,0 +1,200 @@
+"""How the trainer's models are laid out over its ranks: FSDP2 sharding or DDP replicas, and
+the precision they train in.
+
+- ``fsdp`` (``torch.distributed.fsdp.fully_shard``): every decoder layer is its own FSDP unit,
+  then the module as root; parameters, gradients and AdamW state are split over all ranks. A
+  ``MixedPrecisionPolicy`` computes in the model dtype and reduces gradients in fp32 (or in the
+  ``gradientCompression`` dtype), so the sharded parameters and optimizer state stay fp32.
+- ``ddp``: a full fp32 replica per rank, the forward under ``torch.autocast`` in the model dtype.
+- one rank: the ``ddp`` layout without the wrapper.
+
+Either way the optimizer steps fp32 master parameters: bf16 parameters stepped by AdamW at a
+learning rate of 1e-6 round most updates away. ``float16`` compute is refused (no loss scaler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rljob_workers.config import GradientCompressionConfig, TrainerConfig
+from rljob_workers.ddp import wrap_ddp
+
+__all__ = [
+    "COMPUTE_DTYPES",
+    "ShardingPlan",
+    "decoder_layers",
+    "full_tensor",
+    "local_state_bytes",
+    "shard_module",
+]
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ShardingPlan:
+    """The layout one trainer rank builds its models with.
+
+    Args:
+        trainer: the job's trainer settings (sharding, offload, reshard, compression).
+        compute_dtype: ``model.dtype`` (the forward's dtype; parameters stay fp32).
+        world_size: ranks in the trainer group.
+        device: this rank's device.
+    """
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        *,
+        compute_dtype: str,
+        world_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if compute_dtype == "float16":
+            raise ValueError(
+                "spec.model.dtype: float16 training needs a gradient scaler, which the trainer "
+                "does not have (fp16 AdamW underflows); use bfloat16 or float32"
+            )
+        if trainer.sharding == "fsdp" and trainer.gradient_compression.type == "powerSGD":
+            raise ValueError(
+                "spec.trainer.gradientCompression.type: powerSGD is a DDP communication hook; "
+                "with spec.trainer.sharding fsdp use none, fp16 or bf16, or set sharding: ddp"
+            )
+        self.trainer = trainer
+        self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.fsdp = trainer.sharding == "fsdp" and world_size > 1 and dist.is_initialized()
+        self.ddp = trainer.sharding == "ddp" and world_size > 1
+        self.cpu_offload = self.fsdp and trainer.cpu_offload
+
+    @property
+    def autocast(self) -> bool:
+        """Whether forwards run under autocast (replicas with a lower compute dtype)."""
+        return not self.fsdp and self.compute_dtype != torch.float32
+
+    def wrap(
+        self, module: nn.Module, *, trainable: bool = True, compression: bool = True
+    ) -> nn.Module:
+        """Lay ``module`` out for training: sharded in place (fsdp; the module itself is
+        returned), wrapped in DDP, or unchanged. Frozen modules (``trainable=False``: the
+        reference policy) are sharded too but never DDP-wrapped. ``compression=False`` reduces
+        the module's gradients uncompressed (the critic)."""
+        chosen = self.trainer.gradient_compression
+        if not compression:
+            chosen = GradientCompressionConfig()
+        if self.fsdp:
+            return shard_module(
+                module,
+                compute_dtype=self.compute_dtype,
+                reduce_dtype=_reduce_dtype(chosen),
+                reshard_after_forward=self.trainer.reshard_after_forward,
+                cpu_offload=self.cpu_offload,
+            )
+        if self.ddp and trainable:
+            return wrap_ddp(
+                module,
+                chosen,
+                gradient_checkpointing=self.trainer.gradient_checkpointing,
+            )
+        return module
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Autocast to the compute dtype where the layout needs it (else nothing)."""
+        if not self.autocast:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.compute_dtype):
+            yield
+
+
+def _reduce_dtype(compression: GradientCompressionConfig) -> torch.dtype:
+    return _REDUCE_DTYPES.get(compression.type, torch.float32)
+
+
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a Hugging Face model (its ``_no_split_modules`` classes, e.g.
+    ``Qwen2DecoderLayer``), outermost first; each becomes one FSDP unit."""
+    names: set[str] = set()
+    for sub in module.modules():
+        names.update(getattr(sub, "_no_split_modules", None) or ())
+    found = [sub for sub in module.modules() if type(sub).__name__ in names]
+    if not found:
+        raise ValueError(
+            f"spec.trainer.sharding: fsdp needs a model with repeated decoder layers "
+            f"(_no_split_modules); {type(module).__name__} declares none: use sharding: ddp"
+        )
+    return found
+
+
+def shard_module(
+    module: nn.Module,
+    *,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """FSDP2 over the default process group: each decoder layer, then ``module`` as root.
+
+    Parameters must be fp32 (they become the sharded master copy) unless the module is frozen.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    param_dtype = None if compute_dtype == torch.float32 else compute_dtype
+    options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(module):
+        fully_shard(layer, **options)
+    fully_shard(module, **options)
+    return module
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a (possibly sharded) parameter or state value.
+
+    A DTensor is gathered (a collective: every rank must call it for the same tensor in the
+    same order); a plain tensor is returned as it is.
+    """
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if callable(gather) else tensor
+
+
+def _local(tensor: Tensor) -> Tensor:
+    local = getattr(tensor, "to_local", None)
+    return local() if callable(local) else tensor
+
+
+def local_state_bytes(
+    modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
+    params = grads = 0
+    for module in modules:
+        for param in module.parameters():
+            params += _local(param).numel() * param.element_size()
+            if param.grad is not None:
+                grads += _local(param.grad).numel() * param.grad.element_size()
+    optim = 0
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    optim += _local(value).numel() * value.element_size()
+    return {"parameters": params, "gradients": grads, "optimizer": optim}
