@@ -1,6 +1,8 @@
 """The API server itself rejects bad RLJobs (schema + CEL in the generated CRD): aspects under test
 
-- each invalid spec is refused by ``kubectl apply`` with a message naming the field;
+- each invalid spec is refused by ``kubectl apply`` with a message naming the field; the
+  sharding and precision rules (powerSGD needs ddp, cpuOffload needs fsdp, no float16 training)
+  with exactly the message the operator's pydantic twin gives;
 - the examples are accepted, and defaults are filled in by the API server.
 """
 
@@ -12,6 +14,7 @@ import pytest
 import yaml
 
 from e2e.cluster import REPO, LocalCluster
+from rljob_operator.api import SpecError, parse_rljob
 
 pytestmark = pytest.mark.cluster
 
@@ -84,6 +87,33 @@ def test_fractional_gpu_count_is_rejected(cluster: LocalCluster, crd: None) -> N
     assert "spec.rollout.gpusPerReplica" in out and "integer" in out
 
 
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        (
+            {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+            "gradientCompression",
+        ),
+        ({"trainer": {"sharding": "ddp", "cpuOffload": True}}, "cpuOffload"),
+        ({"model": {"dtype": "float16"}}, "dtype"),
+    ],
+    ids=["powersgd-fsdp", "offload-ddp", "float16"],
+)
+def test_sharding_and_precision_rules_refused_with_the_operators_message(
+    cluster: LocalCluster, crd: None, patch: dict[str, Any], field: str
+) -> None:
+    obj = example()
+    for key, fields in patch.items():
+        obj["spec"][key] = {**obj["spec"].get(key, {}), **fields}
+    with pytest.raises(SpecError) as err:
+        parse_rljob(obj)
+    (message,) = err.value.problems
+    assert field in message
+    rc, out = apply(cluster, obj)
+    assert rc != 0
+    assert message in out, out
+
+
 def test_examples_are_accepted_and_defaulted(cluster: LocalCluster, crd: None) -> None:
     for name in ("grpo-colocated", "ppo-colocated", "dapo-disaggregated"):
         out = cluster.kubectl(
@@ -99,3 +129,6 @@ def test_examples_are_accepted_and_defaulted(cluster: LocalCluster, crd: None) -
         applied = yaml.safe_load(out.stdout)
         assert applied["spec"]["buffer"]["maxAgeSeconds"] == 7200, name
         assert applied["spec"]["degrade"]["maxPolicyLagMs"] > 0, name
+        assert applied["spec"]["trainer"]["sharding"] == "fsdp", name
+        assert applied["spec"]["trainer"]["microBatchTokens"] == 16384, name
+        assert applied["spec"]["weightSync"]["bucketMiB"] == 256, name

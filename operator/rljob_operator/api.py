@@ -442,7 +442,21 @@ class Model(SpecModel):
         None, description="PVC holding the model, mounted read-only. Unset: no volume is mounted."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Parameter dtype for rollout and training."
+        "bfloat16",
+        description="Compute and rollout dtype. bfloat16: the trainer keeps fp32 master "
+        "weights and optimizer state and computes in bf16; float32: fp32 throughout. float16 "
+        "is refused (training it needs a gradient scaler, which the trainer does not have).",
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.dtype) || self.dtype != 'float16'",
+            message="spec.model.dtype: float16 training needs a gradient scaler, which the "
+            "trainer does not have (fp16 AdamW underflows); use bfloat16 (the trainer keeps fp32 "
+            "master weights and computes in bf16) or float32",
+            holds=lambda m: m.get("dtype") != "float16",
+            field_path=".dtype",
+        ),
     )
 
 
@@ -748,12 +762,14 @@ class Rollout(SpecModel):
 
 
 class GradientCompression(SpecModel):
-    """Compression of gradient all-reduce between trainer pods (DDP communication hook)."""
+    """Compression of the gradient reduction between trainer ranks: a DDP communication hook, or
+    with sharding fsdp FSDP2's reduce dtype."""
 
     type: Literal["none", "fp16", "bf16", "powerSGD"] = Field(
         "none",
-        description="none, fp16/bf16 (cast before all-reduce, halves traffic) or powerSGD "
-        "(low-rank, needs rank). Worth it across nodes, i.e. mostly disaggregated.",
+        description="none, fp16/bf16 (reduce in 16 bits, halves traffic; with sharding fsdp "
+        "FSDP2's reduce dtype) or powerSGD (low-rank, needs rank; sharding ddp only). Worth it "
+        "across nodes, i.e. mostly disaggregated.",
     )
     rank: int | None = Field(
         None, ge=1, le=1024, description="PowerSGD matrix rank (e.g. 4); required for powerSGD."
@@ -771,8 +787,18 @@ class GradientCompression(SpecModel):
     )
 
 
+Sharding = Literal["fsdp", "ddp"]
+MICRO_BATCH_TOKENS = 16384
+"""Default token budget of one trainer forward/backward (spec.trainer.microBatchTokens)."""
+
+
+def _powersgd_needs_ddp(t: JsonObject) -> bool:
+    return t.get("sharding") != "fsdp" or t.get("gradientCompression", {}).get("type") != "powerSGD"
+
+
 class Trainer(SpecModel):
-    """Trainer pods (DDP). Colocated: the actor pods, each running engine and trainer."""
+    """Trainer pods: data parallel, sharded (FSDP2) or replicated (DDP). Colocated: the actor
+    pods, each running engine and trainer."""
 
     replicas: int = Field(
         1,
@@ -797,8 +823,57 @@ class Trainer(SpecModel):
         description="Recompute activations in the backward pass: less memory, ~30% more compute. "
         "Recommended on GPUs with less than 80 GB.",
     )
+    sharding: Sharding = Field(
+        "fsdp",
+        description="fsdp: FSDP2 shards parameters, gradients and AdamW state over all trainer "
+        "ranks (per decoder layer, then the root), so per-rank memory falls with the rank "
+        "count. ddp: every rank keeps a full replica of all three (the only mode of earlier "
+        "releases; needed for gradientCompression powerSGD).",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="fsdp only: free the gathered parameters after the forward pass and gather "
+        "them again for backward (ZeRO-3). false keeps them until backward (ZeRO-2): more "
+        "memory, less communication. Ignored with ddp.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="fsdp only: keep the sharded parameters, gradients and AdamW state in host "
+        "memory (FSDP2's CPU offload policy; the optimizer step runs on the CPU), to fit a large "
+        "model on few GPUs at the cost of speed.",
+    )
+    micro_batch_tokens: int = Field(
+        MICRO_BATCH_TOKENS,
+        ge=64,
+        le=10_000_000,
+        description="Token budget (prompt + response) of one forward/backward: each minibatch is "
+        "split into micro-batches packed by length and gradients accumulate across them; the "
+        "loss normalisation is that of the whole minibatch. Lower it when activations or "
+        "logits do not fit.",
+    )
 
-    cel_rules: ClassVar[tuple[CelRule, ...]] = (_no_gpu_in_resources("trainer"),)
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        _no_gpu_in_resources("trainer"),
+        CelRule(
+            rule="!has(self.sharding) || self.sharding != 'fsdp' || "
+            "!has(self.gradientCompression) || !has(self.gradientCompression.type) || "
+            "self.gradientCompression.type != 'powerSGD'",
+            message="spec.trainer.gradientCompression.type: powerSGD is a DDP communication hook; "
+            "with spec.trainer.sharding fsdp use none, fp16 or bf16 (FSDP2's reduce dtype), or "
+            "set spec.trainer.sharding: ddp",
+            holds=_powersgd_needs_ddp,
+            field_path=".gradientCompression.type",
+        ),
+        CelRule(
+            rule="!has(self.cpuOffload) || !self.cpuOffload || !has(self.sharding) || "
+            "self.sharding != 'ddp'",
+            message="spec.trainer.cpuOffload: CPU offload is an FSDP2 policy; with "
+            "spec.trainer.sharding ddp every rank keeps a full replica on its device, so set "
+            "spec.trainer.sharding: fsdp or remove cpuOffload",
+            holds=lambda t: not t.get("cpuOffload", False) or t.get("sharding") != "ddp",
+            field_path=".cpuOffload",
+        ),
+    )
 
 
 # ------------------------------------------------------------------ staleness, buffer, sync
@@ -899,6 +974,15 @@ class WeightSync(SpecModel):
     )
     compression: Literal["none", "bf16", "fp8"] = Field(
         "none", description="Compress weights in transit (disaggregated): none, bf16 or fp8."
+    )
+    bucket_mib: int = Field(
+        256,
+        alias="bucketMiB",
+        ge=1,
+        le=16384,
+        description="Weights are gathered from the trainer's shards and streamed to the rollout "
+        "engines in buckets of this many MiB, so no rank holds the whole model at once: the "
+        "sender's extra memory is about one bucket plus the largest tensor.",
     )
 
 

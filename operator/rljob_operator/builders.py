@@ -16,6 +16,7 @@ from typing import Any, Literal
 from rljob_operator.api import (
     GROUP,
     KIND,
+    MICRO_BATCH_TOKENS,
     VERSION,
     PodTemplateOverrides,
     RLJob,
@@ -280,6 +281,10 @@ def build_worker_config(
                 rank=spec.trainer.gradient_compression.rank or 1,
             ),
             gradient_checkpointing=spec.trainer.gradient_checkpointing,
+            sharding=spec.trainer.sharding,
+            reshard_after_forward=spec.trainer.reshard_after_forward,
+            cpu_offload=spec.trainer.cpu_offload,
+            micro_batch_tokens=spec.trainer.micro_batch_tokens,
         ),
         staleness=StalenessConfig(
             max_versions=spec.staleness.max_versions,
@@ -295,6 +300,7 @@ def build_worker_config(
         weight_sync=WeightSyncConfig(
             method=resolve_weight_sync_method(spec, topology),
             compression=spec.weight_sync.compression,
+            bucket_mib=spec.weight_sync.bucket_mib,
         ),
         checkpoint=CheckpointConfig(
             dir=checkpoint_dir or spec.checkpoint.path,
@@ -320,19 +326,30 @@ DISABLED_OVERLONG = {"enabled": False, "max_length": 1024, "cache_length": 256}
 """How the hash sees a disabled overlong buffer, whatever lengths it carries: they do nothing,
 and these are the lengths the first release rendered (its spec defaults), so pods it started keep
 their hash (``e2e/test_upgrade.py``)."""
-HASH_NEUTRAL: dict[str, object] = {}
-"""Worker-config fields added after the first release, by dotted path, with the value that
-behaves as before: the hash leaves a field out while it holds that value, so upgrading the
-operator restarts no pod. Add an entry with every such field (``tests/operator/test_builders.py``
-checks that the first release's fields are all the hash covers)."""
+HASH_NEUTRAL: dict[str, object] = {
+    "trainer.sharding": "fsdp",
+    "trainer.reshard_after_forward": True,
+    "trainer.cpu_offload": False,
+    "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
+}
+"""Worker-config fields added after the first release, by dotted path, with the value a job
+stored before the field existed renders now (the spec default the API server fills in when it
+reads the job): the hash leaves a field out while it holds that value, so upgrading the operator
+restarts no pod. Where that value means something new (``trainer.sharding`` fsdp: the previous
+release always ran ddp, one micro-batch per minibatch), running pods keep the old behaviour until
+their next restart, which resumes their checkpoint under the new meaning; setting the field to
+any other value (``sharding: ddp``) moves the hash and restarts them. Add an entry with every
+such field (``tests/operator/test_restart_hash.py`` checks that the first release's fields are
+all the hash covers)."""
 
 
 def restart_hash(config: WorkerConfig) -> str:
     """Hash of what a worker cannot take live: the config minus the sections running workers
     re-read (buffer aging, staleness, compression, checkpoint pointers), with settings that do
     nothing in canonical form (a disabled overlong buffer) and fields added since the first
-    release left out while they hold their as-before value. Pods whose hash differs need a
-    controlled restart; an equivalent spec gives the same hash across operator upgrades."""
+    release left out while they hold the value a job stored before them renders (``HASH_NEUTRAL``).
+    Pods whose hash differs need a controlled restart; an equivalent spec gives the same hash
+    across operator upgrades."""
     data = config.model_dump(mode="json")
     for section in LIVE_SECTIONS:
         _pop_path(data, section)

@@ -93,6 +93,10 @@ def test_parse_minimal_job_gets_documented_defaults() -> None:
     assert spec.buffer.max_age_seconds == 7200
     assert spec.rollout.replicas == 1 and spec.trainer.replicas == 1
     assert spec.trainer.gradient_compression.type == "none"
+    assert (spec.trainer.sharding, spec.trainer.reshard_after_forward) == ("fsdp", True)
+    assert (spec.trainer.cpu_offload, spec.trainer.micro_batch_tokens) == (False, 16384)
+    assert spec.weight_sync.bucket_mib == 256
+    assert spec.model.dtype == "bfloat16"
     assert spec.suspend is False and spec.ttl_seconds_after_finished is None
     assert spec.task.reward.function is None
 
@@ -120,6 +124,15 @@ def test_parse_camel_case_fields_map_to_snake_case_attributes() -> None:
     assert spec.ttl_seconds_after_finished == 60
 
 
+def test_parse_bucket_mib_wire_name_is_bucket_mi_b() -> None:
+    assert _spec({"weightSync": {"bucketMiB": 64}}).weight_sync.bucket_mib == 64
+    dumped = parse_rljob(_manifest()).model_dump(mode="json")
+    assert dumped["spec"]["weightSync"]["bucketMiB"] == 256
+    assert _problems({"weightSync": {"bucketMib": 64}}) == [
+        "spec.weightSync.bucketMib: unknown field; did you mean bucketMiB?"
+    ]
+
+
 def test_parse_snake_case_field_names_are_accepted() -> None:
     spec = _spec({"algorithm": {"clip_ratio_high": 0.3}, "ttl_seconds_after_finished": 5})
     assert spec.algorithm.clip_ratio_high == 0.3
@@ -140,6 +153,22 @@ def test_dump_uses_camel_case_and_round_trips() -> None:
 ON_POLICY_PPO = (
     "spec.algorithm: ppo is on-policy; with topology disaggregated set "
     "spec.staleness.correction (decoupledPPO|tis) and spec.staleness.maxVersions"
+)
+
+POWERSGD_FSDP = (
+    "spec.trainer.gradientCompression.type: powerSGD is a DDP communication hook; with "
+    "spec.trainer.sharding fsdp use none, fp16 or bf16 (FSDP2's reduce dtype), or set "
+    "spec.trainer.sharding: ddp"
+)
+OFFLOAD_DDP = (
+    "spec.trainer.cpuOffload: CPU offload is an FSDP2 policy; with spec.trainer.sharding ddp "
+    "every rank keeps a full replica on its device, so set spec.trainer.sharding: fsdp or remove "
+    "cpuOffload"
+)
+FLOAT16 = (
+    "spec.model.dtype: float16 training needs a gradient scaler, which the trainer does not have "
+    "(fp16 AdamW underflows); use bfloat16 (the trainer keeps fp32 master weights and computes in "
+    "bf16) or float32"
 )
 
 INVALID = [
@@ -164,6 +193,11 @@ INVALID = [
     ("bad-degrade-action", {"degrade": {"action": "panic"}}, "degrade.action:"),
     ("zero-buffer-age", {"buffer": {"maxAgeSeconds": 0}}, "spec.buffer.maxAgeSeconds:"),
     ("negative-ttl", {"ttlSecondsAfterFinished": -1}, "spec.ttlSecondsAfterFinished:"),
+    ("bad-sharding", {"trainer": {"sharding": "zero3"}}, "spec.trainer.sharding:"),
+    ("tiny-micro-batch", {"trainer": {"microBatchTokens": 16}}, "spec.trainer.microBatchTokens:"),
+    ("string-cpu-offload", {"trainer": {"cpuOffload": "yes"}}, "spec.trainer.cpuOffload:"),
+    ("zero-bucket", {"weightSync": {"bucketMiB": 0}}, "spec.weightSync.bucketMiB:"),
+    ("huge-bucket", {"weightSync": {"bucketMiB": 16385}}, "spec.weightSync.bucketMiB:"),
     # cross-field rules
     (
         "clip-high-below-low",
@@ -237,9 +271,16 @@ INVALID = [
     ),
     (
         "powersgd-without-rank",
-        {"trainer": {"gradientCompression": {"type": "powerSGD"}}},
+        {"trainer": {"sharding": "ddp", "gradientCompression": {"type": "powerSGD"}}},
         "spec.trainer.gradientCompression.rank: powerSGD needs rank >= 1",
     ),
+    (
+        "powersgd-with-default-fsdp",
+        {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+        POWERSGD_FSDP,
+    ),
+    ("cpu-offload-with-ddp", {"trainer": {"sharding": "ddp", "cpuOffload": True}}, OFFLOAD_DDP),
+    ("float16-model", {"model": {"dtype": "float16"}}, FLOAT16),
     (
         "backoff-above-max",
         {"failurePolicy": {"backoffSeconds": 600, "maxBackoffSeconds": 300}},
@@ -295,6 +336,21 @@ def test_parse_invalid_spec_raises_spec_error_naming_the_path(
 def test_parse_on_policy_disaggregated_message_names_algorithm_and_fix_exactly() -> None:
     problems = _problems({"algorithm": {"name": "ppo"}, "topology": "disaggregated"})
     assert problems == [ON_POLICY_PPO]
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}}, POWERSGD_FSDP),
+        ({"trainer": {"sharding": "ddp", "cpuOffload": True}}, OFFLOAD_DDP),
+        ({"model": {"dtype": "float16"}}, FLOAT16),
+    ],
+    ids=["powersgd-fsdp", "offload-ddp", "float16"],
+)
+def test_parse_sharding_and_precision_rules_give_exactly_one_message_naming_both_fields(
+    patch: dict[str, Any], message: str
+) -> None:
+    assert _problems(patch) == [message]
 
 
 def test_parse_bound_violation_says_what_fits_and_what_was_given() -> None:
@@ -353,7 +409,18 @@ VALID = [
     ),
     ("dataset-task", {"task": {"builtin": None, "datasetPath": "/data/train.jsonl"}}),
     ("elastic-bounds", {"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2}}),
-    ("powersgd-with-rank", {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}}),
+    (
+        "powersgd-with-rank-ddp",
+        {"trainer": {"sharding": "ddp", "gradientCompression": {"type": "powerSGD", "rank": 4}}},
+    ),
+    (
+        "bf16-reduce-fsdp",
+        {"trainer": {"sharding": "fsdp", "gradientCompression": {"type": "bf16"}}},
+    ),
+    ("fsdp-offload-zero2", {"trainer": {"cpuOffload": True, "reshardAfterForward": False}}),
+    ("ddp-reshard-flag-ignored", {"trainer": {"sharding": "ddp", "reshardAfterForward": False}}),
+    ("bfloat16-model", {"model": {"dtype": "bfloat16"}}),
+    ("sharding-bounds", {"trainer": {"microBatchTokens": 64}, "weightSync": {"bucketMiB": 16384}}),
     ("in-process-colocated", {"topology": "colocated", "weightSync": {"method": "inProcess"}}),
     ("cpu-quantities", {"trainer": {"resources": {"requests": {"cpu": "500m", "memory": 2**30}}}}),
     (

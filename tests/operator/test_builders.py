@@ -3,7 +3,8 @@
 - golden manifests per topology (colocated GRPO, disaggregated DAPO): every child, byte for byte;
 - pods: stable names per role, GPU requests, rendezvous env, labels, ownerReference, restrictive
   securityContext, scheduling fields passed through;
-- the rendered worker config resolves defaults (estimator, policy loss, sampling n, weight sync);
+- the rendered worker config resolves defaults (estimator, policy loss, sampling n, weight sync)
+  and carries the trainer's sharding (fsdp by default), micro-batch budget and sync bucket size;
 - checkpoints outlive the pods by default: a per-job claim owned by the job, mounted (at
   spec.checkpoint.path) by the trainer pods only; claimName mounts the user's claim and creates
   none; ephemeral is an emptyDir; the model claim is mounted at spec.model.volume.mountPath;
@@ -156,6 +157,44 @@ def test_build_worker_config_resolves_defaults() -> None:
     ppo = build_worker_config(load_example("ppo-colocated").spec, REF, "colocated")
     assert ppo.algorithm.advantage_estimator == "gae"
     assert ppo.weight_sync.method == "inProcess"
+
+
+def test_build_worker_config_sharding_defaults_render_fsdp() -> None:
+    trainer = build_worker_config(load_example("grpo-colocated").spec, REF, "colocated").trainer
+    assert (trainer.sharding, trainer.reshard_after_forward, trainer.cpu_offload) == (
+        "fsdp",
+        True,
+        False,
+    )
+    assert trainer.micro_batch_tokens == 16384
+    sync = build_worker_config(load_example("dapo-disaggregated").spec, REF, "disaggregated")
+    assert sync.weight_sync.bucket_mib == 256
+
+
+def test_build_worker_config_sharding_fields_reach_the_workers() -> None:
+    job = load_example(
+        "dapo-disaggregated",
+        trainer={
+            "replicas": 2,
+            "cpuOffload": True,
+            "reshardAfterForward": False,
+            "microBatchTokens": 2048,
+        },
+        weightSync={"bucketMiB": 64},
+    )
+    config = build_worker_config(job.spec, REF, "disaggregated")
+    assert (config.trainer.sharding, config.trainer.cpu_offload) == ("fsdp", True)
+    assert (config.trainer.reshard_after_forward, config.trainer.micro_batch_tokens) == (
+        False,
+        2048,
+    )
+    assert config.weight_sync.bucket_mib == 64
+    ddp = load_example(
+        "grpo-colocated",
+        trainer={"sharding": "ddp", "gradientCompression": {"type": "powerSGD", "rank": 4}},
+    )
+    trainer = build_worker_config(ddp.spec, REF, "colocated").trainer
+    assert (trainer.sharding, trainer.gradient_compression.type) == ("ddp", "powerSGD")
 
 
 def _algorithm_of(algorithm: dict[str, Any], max_tokens: int = 10) -> Any:

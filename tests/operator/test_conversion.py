@@ -180,6 +180,51 @@ def test_convert_example_parses_to_the_same_job_and_restart_hash_either_way(exam
     assert restart_hash(configs[0]) == restart_hash(configs[1])
 
 
+SHARDED = {
+    "trainer": {"sharding": "ddp", "microBatchTokens": 2048, "reshardAfterForward": False},
+    "weightSync": {"bucketMiB": 32},
+}
+
+
+def test_convert_sharding_fields_round_trip_and_render_alike_in_both_versions() -> None:
+    beta = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())
+    for key, fields in SHARDED.items():
+        beta["spec"][key] = {**beta["spec"].get(key, {}), **fields}
+    alpha = convert(beta, ALPHA)
+    assert alpha["spec"]["trainer"]["sharding"] == "ddp"
+    assert alpha["spec"]["weightSync"]["bucketMiB"] == 32
+    assert STASH_ANNOTATION not in alpha["metadata"].get("annotations", {})
+    assert convert(alpha, BETA) == beta
+    ref = JobRef("dapo", "ns", "uid")
+    configs = [
+        build_worker_config(parse_any_version(o).spec, ref, "disaggregated") for o in (alpha, beta)
+    ]
+    assert configs[0] == configs[1]
+    assert (configs[0].trainer.sharding, configs[0].trainer.micro_batch_tokens) == ("ddp", 2048)
+    assert configs[0].weight_sync.bucket_mib == 32
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 2}}},
+        {"trainer": {"sharding": "ddp", "cpuOffload": True}},
+        {"model": {"dtype": "float16"}},
+    ],
+    ids=["powersgd-fsdp", "offload-ddp", "float16"],
+)
+def test_parse_any_version_sharding_rules_same_message_in_v1alpha1(patch: dict[str, Any]) -> None:
+    beta = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())
+    for key, fields in patch.items():
+        beta["spec"][key] = {**beta["spec"].get(key, {}), **fields}
+    messages = []
+    for obj in (beta, convert(beta, ALPHA)):
+        with pytest.raises(api.SpecError) as err:
+            parse_any_version(obj)
+        messages.append(err.value.problems)
+    assert messages[0] == messages[1] and len(messages[0]) == 1
+
+
 def test_parse_any_version_v1alpha1_errors_name_v1alpha1_paths() -> None:
     beta = yaml.safe_load((REPO / "examples" / "ppo-colocated.yaml").read_text())
     alpha = convert(beta, ALPHA)

@@ -259,6 +259,9 @@ EXPECTED_RULES = {
     "cacheLength < maxLength": (".algorithm.overlongBuffer", "cacheLength must be <"),
     "exactly one task source": (".task", "exactly one of spec.task.builtin"),
     "powerSGD needs rank": (".trainer.gradientCompression", "powerSGD needs rank >= 1"),
+    "powerSGD needs ddp": (".trainer", "powerSGD is a DDP communication hook"),
+    "cpuOffload needs fsdp": (".trainer", "CPU offload is an FSDP2 policy"),
+    "no float16 training": (".model", "float16 training needs a gradient scaler"),
 }
 
 
@@ -560,6 +563,9 @@ MENU: dict[tuple[str, ...], list[Any]] = {
     ("trainer", "resources", "requests"): [ABSENT, {"memory": "8Gi"}, {"nvidia.com/gpu": "1"}],
     ("trainer", "gradientCompression", "type"): [ABSENT, "bf16", "powerSGD"],
     ("trainer", "gradientCompression", "rank"): [ABSENT, 4],
+    ("trainer", "sharding"): [ABSENT, "fsdp", "ddp"],
+    ("trainer", "cpuOffload"): [ABSENT, True, False],
+    ("model", "dtype"): [ABSENT, "float16", "float32"],
     ("staleness", "correction"): [ABSENT, "none", "tis", "decoupledPPO"],
     ("staleness", "maxVersions"): [ABSENT, 0, 2],
     ("weightSync", "method"): [ABSENT, "inProcess", "http"],
@@ -625,7 +631,10 @@ COUNTEREXAMPLES = {
     "task-source": {"task": {"builtin": {"name": "copy"}, "datasetPath": "/d.jsonl"}},
     "rollout-gpu": {"rollout": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
     "trainer-gpu": {"trainer": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
-    "powersgd-rank": {"trainer": {"gradientCompression": {"type": "powerSGD"}}},
+    "powersgd-rank": {"trainer": {"sharding": "ddp", "gradientCompression": {"type": "powerSGD"}}},
+    "powersgd-fsdp": {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+    "offload-ddp": {"trainer": {"sharding": "ddp", "cpuOffload": True}},
+    "float16": {"model": {"path": "/models/tiny-qwen2", "dtype": "float16"}},
     "backoff": {"failurePolicy": {"backoffSeconds": 100, "maxBackoffSeconds": 50}},
     "sampling-n": {"rollout": {"sampling": {"samplesPerPrompt": 3}}},
     "ephemeral-claim": {"checkpoint": {"claimName": "ckpt", "ephemeral": True}},

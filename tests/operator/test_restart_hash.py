@@ -3,12 +3,15 @@
 Aspects under test:
 - an equivalent spec keeps its hash across the upgrade from the previous release (every example
   rendered and hashed by that release's code, from git, against this build's hash of the same
-  manifest read as v1alpha1);
+  manifest read as v1alpha1), although this build renders fields that release had not (trainer
+  sharding fsdp, micro-batch budget, weight-sync bucket: the defaults such a job reads with);
 - settings that do nothing do not move the hash (a disabled overlong buffer's lengths);
 - a field that needs a restart moves it (model, sampling, learning rate, an enabled buffer's
-  lengths, enabling the buffer); live sections do not;
-- every worker-config field the hash covers existed in the previous release or is declared with
-  its as-before value in HASH_NEUTRAL (a new field cannot silently restart every job on upgrade).
+  lengths, enabling the buffer, trainer sharding, reshard, offload, micro-batch budget); live
+  sections do not (weight-sync bucket size among them);
+- every worker-config field the hash covers existed in the previous release or is declared in
+  HASH_NEUTRAL with the value a job stored before it renders (a new field cannot silently restart
+  every job on upgrade), and that value is the spec default.
 """
 
 from __future__ import annotations
@@ -90,8 +93,10 @@ def new_config(raw: dict[str, Any]) -> WorkerConfig:
 def test_restart_hash_previous_release_example_same_hash_after_upgrade(old_tree: Path) -> None:
     raws = {e: manifest(old_tree, e) for e in EXAMPLES}
     old = json.loads(previous_release.run_python(old_tree, OLD_HASHES, json.dumps(raws)))
-    new = {e: restart_hash(new_config(raw)) for e, raw in raws.items()}
-    assert new == old
+    configs = {e: new_config(raw) for e, raw in raws.items()}
+    assert {c.trainer.sharding for c in configs.values()} == {"fsdp"}  # rendered, not hashed
+    assert {c.trainer.micro_batch_tokens for c in configs.values()} == {16384}
+    assert {e: restart_hash(c) for e, c in configs.items()} == old
 
 
 def _with(config: WorkerConfig, path: str, value: Any) -> WorkerConfig:
@@ -129,6 +134,10 @@ def test_restart_hash_disabled_overlong_lengths_same_hash(
         ("algorithm.kl_estimator", "k2"),
         ("algorithm.overlong.enabled", True),
         ("total_steps", 7),
+        ("trainer.sharding", "ddp"),
+        ("trainer.reshard_after_forward", False),
+        ("trainer.cpu_offload", True),
+        ("trainer.micro_batch_tokens", 4096),
     ],
 )
 def test_restart_hash_restart_field_changed_new_hash(old_tree: Path, path: str, value: Any) -> None:
@@ -145,7 +154,12 @@ def test_restart_hash_enabled_overlong_lengths_new_hash(old_tree: Path) -> None:
 
 @pytest.mark.parametrize(
     ("path", "value"),
-    [("buffer.capacity", 7), ("staleness.max_versions", 3), ("checkpoint.resume_from", "/c/1")],
+    [
+        ("buffer.capacity", 7),
+        ("staleness.max_versions", 3),
+        ("checkpoint.resume_from", "/c/1"),
+        ("weight_sync.bucket_mib", 64),
+    ],
 )
 def test_restart_hash_live_field_changed_same_hash(old_tree: Path, path: str, value: Any) -> None:
     base = _base(old_tree)
@@ -174,7 +188,26 @@ def test_restart_hash_neutral_entry_leaves_out_only_the_as_before_value(
     as_before = _with(base, "algorithm.tis_cap", 2.0)
     changed = _with(base, "algorithm.tis_cap", 3.0)
     plain = {c: restart_hash(c) for c in (as_before, changed)}
-    monkeypatch.setattr(builders, "HASH_NEUTRAL", {"algorithm.tis_cap": 2.0})
+    monkeypatch.setattr(builders, "HASH_NEUTRAL", {**HASH_NEUTRAL, "algorithm.tis_cap": 2.0})
     assert restart_hash(as_before) != plain[as_before]  # left out of the hashed data
     assert restart_hash(changed) == plain[changed]  # any other value hashed as ever
     assert restart_hash(changed) != restart_hash(as_before)
+
+
+def test_restart_hash_neutral_values_are_what_a_job_without_the_fields_renders() -> None:
+    raw = {
+        "apiVersion": api.API_VERSION,
+        "kind": "RLJob",
+        "metadata": dict(REF),
+        "spec": {
+            "algorithm": {"name": "grpo"},
+            "model": {"path": "/models/m"},
+            "task": {"builtin": {"name": "copy"}},
+        },
+    }
+    rendered = new_config(raw).model_dump(mode="json")
+    for path, neutral in HASH_NEUTRAL.items():
+        node: Any = rendered
+        for part in path.split("."):
+            node = node[part]
+        assert node == neutral, path

@@ -1,9 +1,10 @@
 """Worker <-> operator compatibility one release apart, with the previous release's code.
 
 Aspects under test (the previous release is schema 1: no version key, unknown fields forbidden):
-- its workers parse the config this operator renders for every example (the schema version
-  travels in a separate ConfigMap key they ignore), and this build's workers parse the config it
-  rendered (no version file: schema 1);
+- this build's workers parse the config it rendered (no version file: schema 1);
+- its workers refuse the config this operator renders (every schema-3 config carries the
+  trainer's sharding and micro-batch budget), naming the unknown fields at start; a running
+  trainer of that release whose mounted config this operator rewrites keeps its last good one;
 - its operator reads this build's heartbeats (the schema-version key is skipped as it skips any
   entry it cannot parse), and this operator reads its workers' heartbeats;
 - a config or a heartbeat this side cannot parse, from a different schema version, fails with a
@@ -39,12 +40,32 @@ from tests.operator.test_reconcile import NOW, job_object, observed_children
 
 EXAMPLES = ["grpo-colocated", "ppo-colocated", "dapo-disaggregated"]
 
-OLD_PARSE_CONFIG = """
+OLD_LOAD_CONFIG = """
 import json, sys
+from rljob_workers.config import ProcessEnv
+from rljob_workers.main import ConfigError, _load_config
+out = []
+for path in json.load(sys.stdin):
+    try:
+        _load_config(ProcessEnv(role="trainer", config_path=path))
+        out.append([])
+    except ConfigError as err:
+        out.append(err.problems)
+print(json.dumps(out))
+"""
+
+OLD_LIVE_REREAD = """
+import json, sys
+from pathlib import Path
 from rljob_workers.config import WorkerConfig
-for text in json.load(sys.stdin):
-    WorkerConfig.parse(text)
-print("parsed")
+from rljob_workers.disaggregated import FileWatcher
+path, old_text, new_text = json.load(sys.stdin)
+Path(path).write_text(old_text)
+started = WorkerConfig.parse(old_text)
+watcher = FileWatcher(path, WorkerConfig, started, interval_s=0.0)
+watcher.poll(0.0)
+Path(path).write_text(new_text)
+print(json.dumps(watcher.poll(1.0) == started))
 """
 
 OLD_RENDER_CONFIG = """
@@ -90,9 +111,9 @@ def _manifests(tree: Path) -> list[dict[str, Any]]:
     return out
 
 
-def test_previous_release_worker_parses_this_operators_config(old_tree: Path) -> None:
+def _this_operators_config_texts(tree: Path) -> list[str]:
     texts = []
-    for raw in _manifests(old_tree):
+    for raw in _manifests(tree):
         job = parse_any_version(raw)
         topology, _ = api.resolve_topology(job.spec)
         ref = JobRef.from_metadata(raw["metadata"])
@@ -100,8 +121,34 @@ def test_previous_release_worker_parses_this_operators_config(old_tree: Path) ->
         data = build_configmap(ref, config)["data"]
         assert data[SCHEMA_KEY] == str(SCHEMA_VERSION) and SCHEMA_KEY not in data["config.json"]
         texts.append(data["config.json"])
-    out = previous_release.run_python(old_tree, OLD_PARSE_CONFIG, json.dumps(texts))
-    assert out.strip() == "parsed"
+    return texts
+
+
+def test_previous_release_worker_refuses_this_operators_config_naming_the_new_fields(
+    old_tree: Path, tmp_path: Path
+) -> None:
+    paths = []
+    for i, text in enumerate(_this_operators_config_texts(old_tree)):
+        path = tmp_path / f"{i}.json"
+        path.write_text(text)
+        paths.append(str(path))
+    refused = json.loads(previous_release.run_python(old_tree, OLD_LOAD_CONFIG, json.dumps(paths)))
+    for problems in refused:
+        text = "\n".join(problems)
+        for field in ("trainer.sharding", "trainer.micro_batch_tokens", "weight_sync.bucket_mib"):
+            assert f"{field}: Extra inputs are not permitted" in text, text
+
+
+def test_previous_release_trainer_keeps_its_live_config_when_this_operator_rewrites_it(
+    old_tree: Path, tmp_path: Path
+) -> None:
+    rendered = previous_release.run_python(
+        old_tree, OLD_RENDER_CONFIG, json.dumps(_manifests(old_tree))
+    )
+    old_text = json.loads(rendered)[2]["config.json"]  # dapo-disaggregated
+    new_text = _this_operators_config_texts(old_tree)[2]
+    payload = json.dumps([str(tmp_path / "config.json"), old_text, new_text])
+    assert previous_release.run_python(old_tree, OLD_LIVE_REREAD, payload).strip() == "true"
 
 
 def test_this_worker_parses_previous_release_operators_config(
