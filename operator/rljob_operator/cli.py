@@ -260,7 +260,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def _add_plan_parser(sub: Any) -> None:
     plan = sub.add_parser(
         "plan",
-        help="explain topology, fit, pods and memory per pod of a manifest without running it",
+        help="explain topology, fit, pods and memory per rank (GPU) of a manifest without running "
+        "it",
     )
     plan.add_argument("manifest", help="RLJob YAML")
     plan.add_argument(
@@ -271,12 +272,16 @@ def _add_plan_parser(sub: Any) -> None:
     )
     plan.add_argument("--kubeconfig", default=None, help="read the nodes' memory from a cluster")
     plan.add_argument(
-        "--gpu-memory", default=None, help="memory per GPU, e.g. 80Gi (without --kubeconfig)"
+        "--gpu-memory",
+        default=None,
+        help="memory of one GPU, e.g. 80Gi (without --kubeconfig); each rank uses one GPU, a "
+        "pod's GPUs are never summed",
     )
     plan.add_argument(
         "--node-memory",
         default=None,
-        help="memory a CPU pod can use, e.g. 64Gi (without --kubeconfig or resources.limits)",
+        help="memory a CPU pod, or a cpuOffload trainer pod's host side, can use, e.g. 64Gi "
+        "(without --kubeconfig or resources.limits)",
     )
     plan.add_argument(
         "--headroom", type=float, default=0.15, help="headroom to keep free (default 0.15)"
@@ -338,12 +343,14 @@ def plan_main(args: argparse.Namespace) -> int:
             host = args.node_memory and parse_memory_quantity(
                 args.node_memory, field_path="--node-memory"
             )
+            given = [
+                f"{args.gpu_memory} per GPU (--gpu-memory)" if args.gpu_memory else "",
+                f"--node-memory {args.node_memory}" if args.node_memory else "",
+            ]
             capacity = PodCapacity(
                 gpu_bytes=gpu or None,
                 host_bytes=host or None,
-                source=f"{args.gpu_memory} per GPU (--gpu-memory)"
-                if args.gpu_memory
-                else f"--node-memory {args.node_memory}",
+                source=", ".join(s for s in given if s),
             )
         matrix = Path(args.matrix) if args.matrix else _committed_matrix()
         data = json.loads(matrix.read_text()) if matrix.is_file() else {}

@@ -5,12 +5,18 @@ Pure (no client, no clock, no file reads): the CLI reads the manifest, the model
 
 - ``decision_path``: the README's ``topology: auto`` rule, one step per rule, each naming the
   fields it looked at and whether it decided.
-- ``estimate_pod_memory``: accelerator memory per pod from the model shape: policy weights,
-  reference, critic, optimizer state (Adam: two fp32 moments, plus an fp32 master copy when the
-  weights are 16-bit), gradients, the KV-cache budget of the engine and activation memory with and
-  without gradient checkpointing.
-- ``build_plan``: pods (from ``builders.build_children``, never rebuilt here), per-pod estimate
-  against the memory available to the pod, headroom verdict, fit verdict and the nearest measured
+- ``estimate_rank_memory``: memory per rank, i.e. per GPU (never a pod's GPUs summed), modelled
+  on what the trainer does: fp32 master parameters, fp32 gradients and two fp32 AdamW moments
+  whatever ``model.dtype`` (the compute dtype), full on every rank under ddp or 1/world under
+  fsdp (in host memory with cpuOffload); FSDP's gathered compute-dtype parameters (two decoder
+  layers and the root, or the whole model without reshardAfterForward) and unsharded gradients;
+  the reference (klCoef > 0) in the compute dtype, sharded like the policy; the critic (gae) like
+  the policy; the activations of the largest micro-batch (``microBatchTokens``) with one chunk of
+  ``LOGIT_CHUNK_TOKENS`` tokens of fp32 logits, with and without gradient checkpointing; the
+  engine's weights and KV cache for its share of the step's sequences.
+- ``build_plan``: pods (from ``builders.build_children``, never rebuilt here), the per-rank
+  estimate against one GPU (a vLLM rollout engine: its reserved share of one GPU; a CPU pod: its
+  memory), host memory for cpuOffload, headroom verdict, fit verdict and the nearest measured
   cell of the algorithm × topology matrix (``bench/results/matrix.json``).
 - ``build_plan_summary``: the short text the operator records at creation.
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from rljob_operator.api import (
@@ -140,6 +146,29 @@ def fit_verdict(spec: RLJobSpec, topology: ResolvedTopology) -> tuple[bool, str]
 
 # ------------------------------------------------------------------------------ memory
 
+RANKS_PER_POD = 1
+"""Trainer processes (ranks) per trainer or actor pod. One today, and it uses one GPU whatever the
+pod's ``gpusPerReplica``; a later release runs one process per GPU. Every estimate below is per
+rank, i.e. per GPU: a pod's GPUs are never summed."""
+ENGINE_TENSOR_PARALLEL = 1
+"""GPUs one rollout engine spans (vLLM tensor parallel): one today, whatever ``gpusPerReplica``."""
+ENGINE_GPU_MEMORY_UTILIZATION = 0.5
+"""Share of a GPU a vLLM engine reserves (``VLLMEngine``'s ``gpu_memory_utilization``): its
+weights and KV cache must fit in it, and beside a colocated trainer the rest is the trainer's."""
+LOGIT_CHUNK_TOKENS = 1024
+"""Tokens whose vocabulary-sized logits the trainer materialises at once: log-probabilities and
+entropy are computed over the sequence in chunks of this many tokens (each chunk recomputed in the
+backward pass), so a micro-batch never holds fp32 logits for all of its tokens."""
+LOGIT_CHUNK_COPIES = 3
+"""fp32 vocabulary-sized tensors per chunk token: the logits, their log-softmax and the gradient."""
+FSDP_GATHERED_LAYERS = 2
+"""Decoder layers whose full parameters FSDP holds at once with reshardAfterForward: the current
+one and the prefetched next one."""
+DDP_GRADIENT_BUCKETS = True
+"""DDP keeps its own flat copy of the gradients in its all-reduce buckets (the trainer does not
+set ``gradient_as_bucket_view``): 4 more bytes per parameter on every ddp rank of a group."""
+FP32_BYTES = 4
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -196,33 +225,149 @@ class ModelShape:
         attention = h * q + q + 2 * (h * kv + kv) + q * h
         return attention + 3 * h * self.intermediate_size + 2 * h
 
+    def embedding_parameters(self) -> int:
+        """Parameters of the token embedding (also the LM head when tied)."""
+        return self.vocab_size * self.hidden_size
+
+    def root_parameters(self) -> int:
+        """Parameters outside the decoder layers (embeddings, final norm, untied LM head): the
+        FSDP root unit, gathered for the whole forward and backward."""
+        head = 0 if self.tie_word_embeddings else self.embedding_parameters()
+        return self.embedding_parameters() + self.hidden_size + head
+
     def parameters(self) -> int:
         """Parameters of the causal LM (embeddings, layers, final norm, untied LM head)."""
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_layers * self.layer_parameters() + self.hidden_size + head
+        return self.num_layers * self.layer_parameters() + self.root_parameters()
+
+    def critic_root_parameters(self) -> int:
+        """The value model's root: embeddings, final norm and a scalar head."""
+        return self.embedding_parameters() + 2 * self.hidden_size + 1
 
     def critic_parameters(self) -> int:
         """Parameters of the value model: the backbone plus a scalar head."""
-        embed = self.vocab_size * self.hidden_size
-        return embed + self.num_layers * self.layer_parameters() + 2 * self.hidden_size + 1
+        return self.num_layers * self.layer_parameters() + self.critic_root_parameters()
+
+    def autocast_parameters(self, *, critic: bool = False) -> int:
+        """Parameters autocast copies to the compute dtype (every linear layer, the LM or value
+        head included; embeddings and norms run in fp32)."""
+        linears = self.num_layers * (self.layer_parameters() - 2 * self.hidden_size)
+        head = self.hidden_size + 1 if critic else self.embedding_parameters()
+        return linears + head
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """How the trainer lays its models over its ranks (the worker's ``sharding.ShardingPlan``).
+
+    ``sharding`` is what runs: fsdp needs two ranks or more (one rank keeps a full replica, as
+    ddp does), and ``cpu_offload`` applies to fsdp only.
+    """
+
+    sharding: Literal["fsdp", "ddp"]
+    requested: str
+    world: int
+    ranks_per_pod: int
+    reshard_after_forward: bool
+    cpu_offload: bool
+    cpu_offload_requested: bool
+    micro_batch_tokens: int
+    compute_bytes: int
+
+    def describe(self) -> str:
+        """One line: world, layout and its options."""
+        if self.sharding == "ddp":
+            how = "ddp (a full fp32 replica per rank)"
+            if self.requested == "fsdp":
+                how = "fsdp on 1 rank = a full fp32 replica (nothing to shard over)"
+        else:
+            how = (
+                f"fsdp (fp32 state 1/{self.world} per rank, "
+                f"reshardAfterForward {str(self.reshard_after_forward).lower()}, "
+                f"cpuOffload {str(self.cpu_offload).lower()})"
+            )
+        return (
+            f"trainer world {self.world} rank(s) ({self.ranks_per_pod} per pod), {how}, "
+            f"micro-batches of at most {self.micro_batch_tokens} tokens"
+        )
+
+
+def ranks_per_pod(spec: RLJobSpec) -> int:
+    """Trainer ranks per trainer/actor pod (``RANKS_PER_POD``; see there)."""
+    return RANKS_PER_POD
+
+
+def trainer_layout(spec: RLJobSpec) -> TrainerLayout:
+    """The layout ``spec.trainer`` asks for, as the trainer will run it."""
+    trainer = spec.trainer
+    ranks = ranks_per_pod(spec)
+    world = trainer.replicas * ranks
+    fsdp = trainer.sharding == "fsdp" and world > 1
+    return TrainerLayout(
+        sharding="fsdp" if fsdp else "ddp",
+        requested=trainer.sharding,
+        world=world,
+        ranks_per_pod=ranks,
+        reshard_after_forward=trainer.reshard_after_forward,
+        cpu_offload=fsdp and trainer.cpu_offload,
+        cpu_offload_requested=trainer.cpu_offload,
+        micro_batch_tokens=trainer.micro_batch_tokens,
+        compute_bytes=DTYPE_BYTES[spec.model.dtype],
+    )
+
+
+def model_state_bytes(
+    params: int, *, world: int, sharded: bool, trainable: bool = True, dtype_bytes: int = 4
+) -> dict[str, int]:
+    """Bytes one rank holds of a model's parameters, gradients and optimizer state (the keys of
+    the worker's ``sharding.local_state_bytes``). Trainable: fp32 master parameters, fp32
+    gradients and two fp32 AdamW moments, whatever the compute dtype. Frozen (the reference):
+    parameters in ``dtype_bytes`` only. Sharded: ``ceil(params / world)`` of each."""
+    local = math.ceil(params / world) if sharded else params
+    if not trainable:
+        return {"parameters": local * dtype_bytes, "gradients": 0, "optimizer": 0}
+    return {
+        "parameters": FP32_BYTES * local,
+        "gradients": FP32_BYTES * local,
+        "optimizer": 2 * FP32_BYTES * local,
+    }
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per component for one pod; ``total`` uses the job's gradient-checkpointing setting."""
+    """Bytes one rank (one GPU; a CPU pod's one process) needs, by phase.
+
+    - ``components``: held for the whole step (sharded or replicated model state, reference);
+    - ``transient``: held only during a forward/backward (FSDP's gathered parameters and unsharded
+      gradients; autocast's compute-dtype weight copies under ddp), plus the activations of one
+      micro-batch (``activations_full``, or ``activations_checkpointed`` with gradient
+      checkpointing);
+    - ``generation``: held only while a colocated GPU actor generates (its engine sleeps while it
+      trains, so this phase and the training phase never overlap);
+    - ``host``: per rank in host memory (FSDP CPU offload), never on the GPU.
+
+    ``total`` is the peak on the rank's device: held + the larger of the two phases.
+    """
 
     components: dict[str, int]
     activations_full: int
     activations_checkpointed: int
     gradient_checkpointing: bool
+    transient: dict[str, int] = field(default_factory=dict)
+    generation: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    layout: TrainerLayout | None = None
+
+    def _peak(self, activations: int) -> int:
+        training = sum(self.transient.values()) + activations
+        return sum(self.components.values()) + max(training, sum(self.generation.values()))
 
     @property
     def total(self) -> int:
+        """Peak device bytes per rank with the job's gradient-checkpointing setting."""
         act = (
             self.activations_checkpointed if self.gradient_checkpointing else self.activations_full
         )
-        return sum(self.components.values()) + act
+        return self._peak(act)
 
     @property
     def total_other_setting(self) -> int:
@@ -230,36 +375,46 @@ class MemoryEstimate:
         act = (
             self.activations_full if self.gradient_checkpointing else self.activations_checkpointed
         )
-        return sum(self.components.values()) + act
+        return self._peak(act)
 
-
-def _trainer_state(params: int, dtype_bytes: int) -> dict[str, int]:
-    master = 0 if dtype_bytes == 4 else 4 * params
-    return {
-        "weights": params * dtype_bytes,
-        "gradients": params * dtype_bytes,
-        "adam_moments_fp32": 2 * 4 * params,
-        "fp32_master": master,
-    }
+    @property
+    def host_total(self) -> int:
+        """Host bytes per rank (CPU offload)."""
+        return sum(self.host.values())
 
 
 def activation_bytes(
-    shape: ModelShape, *, rows: int, seq_len: int, dtype_bytes: int, checkpointed: bool
+    shape: ModelShape, *, tokens: int, dtype_bytes: int, checkpointed: bool, logits: bool = True
 ) -> int:
-    """Activation memory of one training forward kept for backward (SDPA attention, so no
-    seq×seq score matrix is stored). Per layer and token: ~8 hidden-sized tensors (norm inputs,
-    q/k/v/o inputs and outputs, residuals), 2 kv-sized and 4 intermediate-sized (gate, up, act,
-    product). Checkpointing keeps only each layer's input plus one recomputed layer. Either way
-    the backward pass holds one layer's activation gradients at a time, and the logits
-    (vocab-sized, kept in fp32 for the log-softmax) are added."""
-    tokens = rows * seq_len
+    """Activation memory of one micro-batch of ``tokens`` tokens kept for backward, in the
+    compute dtype (SDPA attention, so no seq×seq score matrix is stored). Per layer and token:
+    ~8 hidden-sized tensors (norm inputs, q/k/v/o inputs and outputs, residuals), 2 kv-sized and
+    4 intermediate-sized (gate, up, act, product). Checkpointing keeps only each layer's input
+    plus one recomputed layer. Either way the backward pass holds one layer's activation
+    gradients at a time. ``logits``: plus one chunk of ``LOGIT_CHUNK_TOKENS`` tokens of
+    vocabulary-sized fp32 logits, ``LOGIT_CHUNK_COPIES`` times (the value model has none)."""
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     per_layer = tokens * (8 * h + 2 * kv + 4 * shape.intermediate_size) * dtype_bytes
-    logits = tokens * shape.vocab_size * (dtype_bytes + 2 * 4)
+    chunk = min(tokens, LOGIT_CHUNK_TOKENS)
+    head = chunk * shape.vocab_size * FP32_BYTES * LOGIT_CHUNK_COPIES if logits else 0
     backward = per_layer
     if checkpointed:
-        return shape.num_layers * tokens * h * dtype_bytes + per_layer + backward + logits
-    return shape.num_layers * per_layer + backward + logits
+        return shape.num_layers * tokens * h * dtype_bytes + per_layer + backward + head
+    return shape.num_layers * per_layer + backward + head
+
+
+def micro_batch_tokens(spec: RLJobSpec, layout: TrainerLayout, *, seq_len: int) -> int:
+    """Tokens in the largest micro-batch of a rank: its share of a minibatch's rows (padded to
+    ``seq_len``), capped at ``spec.trainer.microBatchTokens`` (a row longer than the budget is a
+    micro-batch of its own)."""
+    algo = spec.algorithm
+    rows = max(
+        1,
+        math.ceil(
+            (algo.mini_batch_size or algo.batch_size) * responses_per_prompt(spec) / layout.world
+        ),
+    )
+    return min(rows * seq_len, max(layout.micro_batch_tokens, seq_len))
 
 
 def kv_cache_bytes(shape: ModelShape, *, sequences: int, seq_len: int, dtype_bytes: int) -> int:
@@ -268,7 +423,92 @@ def kv_cache_bytes(shape: ModelShape, *, sequences: int, seq_len: int, dtype_byt
     return per_token * sequences * seq_len
 
 
-def estimate_pod_memory(
+@dataclass(frozen=True)
+class _Trained:
+    held: dict[str, int]
+    transient: dict[str, int]
+
+
+def _trained_model(
+    name: str, params: int, layer: int, root: int, autocast: int, layout: TrainerLayout
+) -> _Trained:
+    """A trained model (policy or critic) on one rank: fp32 state, and what a forward/backward
+    adds (see ``MemoryEstimate``)."""
+    fsdp = layout.sharding == "fsdp"
+    state = model_state_bytes(params, world=layout.world, sharded=fsdp)
+    held = {
+        f"{name}_parameters_fp32": state["parameters"],
+        f"{name}_gradients_fp32": state["gradients"],
+        f"{name}_adam_moments_fp32": state["optimizer"],
+    }
+    c = layout.compute_bytes
+    transient: dict[str, int] = {}
+    if not fsdp:
+        if layout.world > 1 and DDP_GRADIENT_BUCKETS:
+            held[f"{name}_ddp_gradient_buckets_fp32"] = FP32_BYTES * params
+        if c < FP32_BYTES:
+            transient[f"{name}_autocast_weights"] = autocast * c
+        return _Trained(held, transient)
+    gathered = root + FSDP_GATHERED_LAYERS * layer if layout.reshard_after_forward else params
+    transient[f"{name}_gathered_parameters"] = gathered * c
+    # the root's gradients in the compute dtype until the end of backward, and one layer's
+    # gradients in fp32 on their way into the reduce-scatter
+    transient[f"{name}_unsharded_gradients"] = root * c + layer * FP32_BYTES
+    return _Trained(held, transient)
+
+
+def _trainer_rank(
+    spec: RLJobSpec, shape: ModelShape, *, seq_len: int
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], int, int, TrainerLayout]:
+    """Held, transient and host bytes and both activation figures of one trainer rank."""
+    layout = trainer_layout(spec)
+    c = layout.compute_bytes
+    layer = shape.layer_parameters()
+    policy = _trained_model(
+        "policy",
+        shape.parameters(),
+        layer,
+        shape.root_parameters(),
+        shape.autocast_parameters(),
+        layout,
+    )
+    held = dict(policy.held)
+    transient = policy.transient
+    if spec.algorithm.kl_coef > 0:
+        ref = model_state_bytes(
+            shape.parameters(),
+            world=layout.world,
+            sharded=layout.sharding == "fsdp",
+            trainable=False,
+            dtype_bytes=c,
+        )
+        held["reference_parameters"] = ref["parameters"]
+    if resolve_advantage_estimator(spec.algorithm) == "gae":
+        critic = _trained_model(
+            "critic",
+            shape.critic_parameters(),
+            layer,
+            shape.critic_root_parameters(),
+            shape.autocast_parameters(critic=True),
+            layout,
+        )
+        held.update(critic.held)
+        # the critic steps before the policy: its transients are never held with the policy's
+        if sum(critic.transient.values()) > sum(transient.values()):
+            transient = critic.transient
+    host: dict[str, int] = {}
+    if layout.cpu_offload:
+        host, held = held, {}
+    tokens = micro_batch_tokens(spec, layout, seq_len=seq_len)
+    # the value model's activations (no logits) are never larger than the policy's
+    full, checkpointed = (
+        activation_bytes(shape, tokens=tokens, dtype_bytes=c, checkpointed=flag)
+        for flag in (False, True)
+    )
+    return held, dict(transient), host, full, checkpointed, layout
+
+
+def estimate_rank_memory(
     spec: RLJobSpec,
     topology: ResolvedTopology,
     role: str,
@@ -276,46 +516,49 @@ def estimate_pod_memory(
     *,
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
 ) -> MemoryEstimate:
-    """Memory one pod of ``role`` needs (see the module docstring for the parts)."""
+    """Memory one rank of ``role`` needs: one GPU (or a CPU pod's process), never a pod's GPUs
+    summed. Trainer ranks: the policy's (and critic's) fp32 state, full under ddp or 1/world
+    under fsdp (in host memory with cpuOffload), the reference in the compute dtype, what one
+    forward/backward of the largest micro-batch adds. Engines: weights and the KV cache for the
+    engine's share of the step's sequences."""
     b = DTYPE_BYTES[spec.model.dtype]
-    params = shape.parameters()
     seq_len = prompt_tokens + spec.rollout.sampling.max_tokens
-    n = responses_per_prompt(spec)
-    algo = spec.algorithm
     components: dict[str, int] = {}
+    transient: dict[str, int] = {}
+    host: dict[str, int] = {}
     full = checkpointed = 0
+    layout = None
     if role in ("actor", "trainer"):
-        world = spec.trainer.replicas
-        for k, v in _trainer_state(params, b).items():
-            components[f"policy_{k}"] = v
-        if algo.kl_coef > 0:
-            components["reference_weights"] = params * b
-        critic = resolve_advantage_estimator(algo) == "gae"
-        if critic:
-            for k, v in _trainer_state(shape.critic_parameters(), b).items():
-                components[f"critic_{k}"] = v
-        mini = algo.mini_batch_size or algo.batch_size
-        rows = max(1, math.ceil(mini * n / world))
-        for flag in (False, True):
-            act = activation_bytes(
-                shape, rows=rows, seq_len=seq_len, dtype_bytes=b, checkpointed=flag
-            )
-            if critic:
-                act += activation_bytes(
-                    shape, rows=rows, seq_len=seq_len, dtype_bytes=b, checkpointed=flag
-                ) - rows * seq_len * shape.vocab_size * (b + 8)
-            if flag:
-                checkpointed = act
-            else:
-                full = act
+        components, transient, host, full, checkpointed, layout = _trainer_rank(
+            spec, shape, seq_len=seq_len
+        )
+    generation: dict[str, int] = {}
     if role in ("actor", "rollout"):
         engines = spec.trainer.replicas if role == "actor" else spec.rollout.replicas
-        sequences = max(1, math.ceil(algo.batch_size * n / engines))
-        components["engine_weights"] = params * b
-        components["kv_cache"] = kv_cache_bytes(
-            shape, sequences=sequences, seq_len=seq_len, dtype_bytes=b
-        )
-    return MemoryEstimate(components, full, checkpointed, spec.trainer.gradient_checkpointing)
+        n = responses_per_prompt(spec)
+        sequences = max(1, math.ceil(spec.algorithm.batch_size * n / engines))
+        engine = {
+            "engine_weights": math.ceil(shape.parameters() * b / ENGINE_TENSOR_PARALLEL),
+            "kv_cache": math.ceil(
+                kv_cache_bytes(shape, sequences=sequences, seq_len=seq_len, dtype_bytes=b)
+                / ENGINE_TENSOR_PARALLEL
+            ),
+        }
+        # a GPU actor's engine sleeps while it trains; on CPU sleep frees nothing
+        if role == "actor" and role_gpus(spec, "actor") > 0:
+            generation = engine
+        else:
+            components.update(engine)
+    return MemoryEstimate(
+        components,
+        full,
+        checkpointed,
+        spec.trainer.gradient_checkpointing,
+        transient=transient,
+        generation=generation,
+        host=host,
+        layout=layout,
+    )
 
 
 # --------------------------------------------------------------------------------- plan
@@ -323,7 +566,9 @@ def estimate_pod_memory(
 
 @dataclass(frozen=True)
 class PodPlan:
-    """One pod the operator would create, with its estimate and headroom."""
+    """One pod the operator would create, with the estimate for one of its ranks (one GPU, or a
+    CPU pod's one process) against what that rank can use, and the pod's host memory where its
+    ranks keep state there (cpuOffload)."""
 
     name: str
     role: str
@@ -335,6 +580,12 @@ class PodPlan:
     capacity_source: str
     headroom: float | None
     verdict: Verdict
+    gpus_used: int = 0
+    ranks: int = 1
+    host_bytes: int | None = None
+    host_capacity_bytes: int | None = None
+    host_capacity_source: str = ""
+    host_headroom: float | None = None
 
 
 @dataclass(frozen=True)
@@ -384,13 +635,14 @@ class JobPlan:
         return "fits"
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``--output json``)."""
+        """A JSON-ready dict (``--output json``); memory totals are per rank (one GPU)."""
         out = asdict(self)
         out["verdict"] = self.verdict
         for pod, plan in zip(out["pods"], self.pods, strict=True):
             if plan.memory is not None:
                 pod["memory"]["totalBytes"] = plan.memory.total
                 pod["memory"]["totalBytesOtherCheckpointing"] = plan.memory.total_other_setting
+                pod["memory"]["hostBytes"] = plan.memory.host_total
         return out
 
 
@@ -421,13 +673,8 @@ def capacity_from_nodes(nodes: Sequence[Mapping[str, Any]]) -> PodCapacity:
     )
 
 
-def _pod_capacity(
-    pod: Mapping[str, Any], gpus: int, capacity: PodCapacity
-) -> tuple[int | None, str]:
-    if gpus:
-        if capacity.gpu_bytes is None:
-            return None, "unknown (give --gpu-memory, or nodes labelled nvidia.com/gpu.memory)"
-        return gpus * capacity.gpu_bytes, f"{gpus} GPU x {capacity.source}"
+def _host_capacity(pod: Mapping[str, Any], capacity: PodCapacity) -> tuple[int | None, str]:
+    """The host memory a pod is sure of: its limit, else its request, else the nodes'."""
     resources = pod["spec"]["containers"][0].get("resources", {})
     for kind in ("limits", "requests"):
         if "memory" in resources.get(kind, {}):
@@ -440,6 +687,25 @@ def _pod_capacity(
     return capacity.host_bytes, capacity.source
 
 
+def _rank_capacity(
+    pod: Mapping[str, Any], role: str, gpus: int, capacity: PodCapacity, engine: str
+) -> tuple[int | None, str]:
+    """What one rank can use: one GPU (never the pod's GPUs summed; a vLLM rollout engine only
+    its reserved share of it), or a CPU pod's memory."""
+    if not gpus:
+        return _host_capacity(pod, capacity)
+    if capacity.gpu_bytes is None:
+        return None, "unknown (give --gpu-memory, or nodes labelled nvidia.com/gpu.memory)"
+    which = "one GPU" if gpus == 1 else f"one of the pod's {gpus} GPUs"
+    if role == "rollout" and engine == "vllm":
+        share = int(ENGINE_GPU_MEMORY_UTILIZATION * capacity.gpu_bytes)
+        return share, (
+            f"vLLM's gpu_memory_utilization {ENGINE_GPU_MEMORY_UTILIZATION} of {which}: "
+            f"{capacity.source}"
+        )
+    return capacity.gpu_bytes, f"{which}: {capacity.source}"
+
+
 def _verdict(
     estimate: int | None, cap: int | None, headroom: float
 ) -> tuple[float | None, Verdict]:
@@ -449,6 +715,140 @@ def _verdict(
     if left < 0:
         return left, "does-not-fit"
     return left, "tight" if left < headroom else "fits"
+
+
+_SEVERITY: dict[Verdict, int] = {"fits": 0, "unknown": 1, "tight": 2, "does-not-fit": 3}
+
+
+def _worst(*verdicts: Verdict) -> Verdict:
+    return max(verdicts, key=_SEVERITY.__getitem__)
+
+
+def _gpus_used(role: str, spec: RLJobSpec) -> int:
+    """GPUs of a pod that its processes use today."""
+    gpus = role_gpus(spec, role)  # type: ignore[arg-type]
+    per_process = ENGINE_TENSOR_PARALLEL if role == "rollout" else ranks_per_pod(spec)
+    return min(gpus, per_process)
+
+
+def _layout_warnings(spec: RLJobSpec, roles: set[str]) -> list[str]:
+    """Once per role: GPUs a pod asks for but cannot use, and options that do not apply."""
+    warnings: list[str] = []
+    for role in sorted(roles):
+        gpus, used = role_gpus(spec, role), _gpus_used(role, spec)  # type: ignore[arg-type]
+        if gpus <= used:
+            continue
+        if role == "rollout":
+            warnings.append(
+                f"spec.rollout.gpusPerReplica {gpus}: each rollout pod runs one engine on one "
+                f"GPU (no tensor parallel yet), so {gpus - used} of its {gpus} GPUs stay idle and "
+                "the engine must fit one GPU; set gpusPerReplica 1 and more replicas"
+            )
+            continue
+        replicas = spec.trainer.replicas
+        warnings.append(
+            f"spec.trainer.gpusPerReplica {gpus}: each {role} pod runs {used} trainer "
+            f"process(es) on {used} GPU (one process per GPU comes in a later release), so "
+            f"{gpus - used} of its {gpus} GPUs stay idle and their memory is not added: the "
+            f"estimate is per rank, one GPU; to train on all {replicas * gpus} GPUs set "
+            f"spec.trainer.replicas {replicas * gpus} and gpusPerReplica 1"
+        )
+    layout = trainer_layout(spec)
+    if roles & {"actor", "trainer"} and layout.cpu_offload_requested and not layout.cpu_offload:
+        warnings.append(
+            "spec.trainer.cpuOffload: applies to sharding fsdp with 2 or more trainer ranks; "
+            f"this job runs {layout.sharding} on {layout.world} rank(s), so nothing is offloaded"
+        )
+    return warnings
+
+
+def _engine_check(
+    name: str, est: MemoryEstimate, gpu_bytes: int | None
+) -> tuple[Verdict, list[str]]:
+    """A colocated GPU actor's vLLM engine: it reserves its share of the GPU beside the trainer
+    state held while it generates, and its weights and KV cache must fit that share."""
+    if gpu_bytes is None or not est.generation:
+        return "fits", []
+    share = int(ENGINE_GPU_MEMORY_UTILIZATION * gpu_bytes)
+    need, held = sum(est.generation.values()), sum(est.components.values())
+    problems = []
+    if need > share:
+        problems.append(
+            f"{name}: the vLLM engine needs {_gib(need)} (weights + KV cache) but reserves "
+            f"gpu_memory_utilization {ENGINE_GPU_MEMORY_UTILIZATION} of the GPU, {_gib(share)}"
+        )
+    if held + share > gpu_bytes:
+        problems.append(
+            f"{name}: the trainer state held while generating ({_gib(held)}) plus the vLLM "
+            f"engine's share ({_gib(share)}) exceed one GPU ({_gib(gpu_bytes)})"
+        )
+    return ("does-not-fit" if problems else "fits"), problems
+
+
+def _plan_pod(
+    pod: Mapping[str, Any],
+    spec: RLJobSpec,
+    topology: ResolvedTopology,
+    shape: ModelShape | None,
+    capacity: PodCapacity,
+    headroom: float,
+    prompt_tokens: int,
+) -> tuple[PodPlan, list[str]]:
+    name = pod["metadata"]["name"]
+    role = pod["metadata"]["labels"]["rljob.io/role"]
+    gpus = role_gpus(spec, role)
+    resources = pod["spec"]["containers"][0].get("resources", {})
+    est = (
+        None
+        if shape is None
+        else estimate_rank_memory(spec, topology, role, shape, prompt_tokens=prompt_tokens)
+    )
+    cap, source = _rank_capacity(pod, role, gpus, capacity, spec.rollout.engine)
+    device = None if est is None else est.total + (0 if gpus else est.host_total)
+    left, verdict = _verdict(device, cap, headroom)
+    warnings = []
+    if verdict == "tight":
+        warnings.append(
+            f"{name}: headroom {left:.0%} is below {headroom:.0%} on one rank (GPU); "
+            "add memory or set spec.trainer.gradientCheckpointing"
+        )
+    if verdict == "does-not-fit":
+        warnings.append(f"{name}: the per-rank estimate exceeds {source}")
+    ranks = ranks_per_pod(spec) if role in ("actor", "trainer") else 1
+    host_bytes = host_cap = host_left = None
+    host_source = ""
+    if est is not None and est.host and gpus:
+        host_bytes = ranks * est.host_total
+        host_cap, host_source = _host_capacity(pod, capacity)
+        host_left, host_verdict = _verdict(host_bytes, host_cap, headroom)
+        if host_verdict in ("does-not-fit", "unknown"):
+            warnings.append(
+                f"{name}: cpuOffload keeps {_gib(host_bytes)} in host memory, against "
+                f"{host_source}; set spec.trainer.resources.limits.memory to what the node gives"
+            )
+        verdict = _worst(verdict, host_verdict)
+    if est is not None and gpus and spec.rollout.engine == "vllm":
+        engine_verdict, problems = _engine_check(name, est, capacity.gpu_bytes)
+        verdict, warnings = _worst(verdict, engine_verdict), warnings + problems
+    plan = PodPlan(
+        name=name,
+        role=role,
+        gpus=gpus,
+        requests=dict(resources.get("requests", {})),
+        limits=dict(resources.get("limits", {})),
+        memory=est,
+        capacity_bytes=cap,
+        capacity_source=source,
+        headroom=left,
+        verdict=verdict,
+        gpus_used=_gpus_used(role, spec),
+        ranks=ranks,
+        host_bytes=host_bytes,
+        host_capacity_bytes=host_cap,
+        host_capacity_source=host_source,
+        host_headroom=host_left,
+    )
+    return plan, warnings
 
 
 def matrix_algorithm(spec: RLJobSpec) -> str:
@@ -509,40 +909,18 @@ def build_plan(
         name=job.metadata.name or "job", namespace=job.metadata.namespace or "default", uid=""
     )
     children = build_children(job, ref, topology, token="plan", restart_epochs={})
-    pods: list[PodPlan] = []
-    warnings: list[str] = []
-    for pod in (o for o in children if o["kind"] == "Pod"):
-        role = pod["metadata"]["labels"]["rljob.io/role"]
-        gpus = role_gpus(spec, role)
-        resources = pod["spec"]["containers"][0].get("resources", {})
-        estimate = (
-            None
-            if shape is None
-            else estimate_pod_memory(spec, topology, role, shape, prompt_tokens=prompt_tokens)
-        )
-        cap, source = _pod_capacity(pod, gpus, capacity)
-        left, verdict = _verdict(None if estimate is None else estimate.total, cap, headroom)
-        pods.append(
-            PodPlan(
-                pod["metadata"]["name"],
-                role,
-                gpus,
-                dict(resources.get("requests", {})),
-                dict(resources.get("limits", {})),
-                estimate,
-                cap,
-                source,
-                left,
-                verdict,
-            )
-        )
-        if verdict == "tight":
-            warnings.append(
-                f"{pod['metadata']['name']}: headroom {left:.0%} is below {headroom:.0%}; "
-                "add memory or set spec.trainer.gradientCheckpointing"
-            )
-        if verdict == "does-not-fit":
-            warnings.append(f"{pod['metadata']['name']}: the estimate exceeds {source}")
+    planned = [
+        _plan_pod(pod, spec, topology, shape, capacity, headroom, prompt_tokens)
+        for pod in children
+        if pod["kind"] == "Pod"
+    ]
+    pods = [pod for pod, _ in planned]
+    notes = {pod.name: pod_notes for pod, pod_notes in planned}
+    warnings = _layout_warnings(spec, {p.role for p in pods})
+    for group in _same_pods(pods):  # identical pods: one warning naming the run
+        first, last = group[0].name, group[-1].name
+        names = first if first == last else f"{first} .. {last}"
+        warnings += [note.replace(first, names, 1) for note in notes[first]]
     if shape is None:
         warnings.append("no model config.json: memory not estimated (give --model DIR)")
     return JobPlan(
@@ -572,6 +950,50 @@ def _gib(value: int | None) -> str:
     )
 
 
+def _parts(values: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {_gib(v)}" for k, v in values.items())
+
+
+def _render_memory(pod: PodPlan) -> list[str]:
+    mem = pod.memory
+    if mem is None:
+        return []
+    lines = []
+    if mem.layout is not None:
+        lines.append(f"    {mem.layout.describe()}")
+    unit = "per rank (GPU)" if pod.gpus else "per rank (the pod's process)"
+    if pod.gpus > pod.gpus_used:
+        lines.append(f"    uses {pod.gpus_used} of the pod's {pod.gpus} GPUs; figures {unit}")
+    if mem.components:
+        lines.append(f"    held {unit}: {_parts(mem.components)}")
+    if mem.transient or mem.activations_full:
+        lines.append(f"    during forward/backward {unit}: {_parts(mem.transient) or '-'}")
+        lines.append(
+            f"    activations of one micro-batch: {_gib(mem.activations_full)} without, "
+            f"{_gib(mem.activations_checkpointed)} with gradient checkpointing "
+            f"({'on' if mem.gradient_checkpointing else 'off'})"
+        )
+    if mem.generation:
+        lines.append(
+            f"    while generating (engine asleep while training): {_parts(mem.generation)}"
+        )
+    if mem.host:
+        lines.append(f"    host memory per rank (cpuOffload): {_parts(mem.host)}")
+    lines.append(f"    estimate {unit}: {_gib(mem.total + (0 if pod.gpus else mem.host_total))}")
+    return lines
+
+
+def _same_pods(pods: Sequence[PodPlan]) -> list[list[PodPlan]]:
+    """Runs of consecutive pods that differ only in name (one block of output each)."""
+    groups: list[list[PodPlan]] = []
+    for pod in pods:
+        if groups and replace(groups[-1][0], name=pod.name) == pod:
+            groups[-1].append(pod)
+        else:
+            groups.append([pod])
+    return groups
+
+
 def render_plan(plan: JobPlan) -> str:
     """The human-readable plan."""
     lines = [f"RLJob {plan.name}", f"topology: {plan.topology} ({plan.reason})", "decision path:"]
@@ -580,25 +1002,29 @@ def render_plan(plan: JobPlan) -> str:
         mark = "-> decides" if step.matched else "-> no"
         lines.append(f"  rule {step.rule}: {step.text} [{fields}] {mark}")
     lines.append(f"fit: {'yes' if plan.fits_algorithm else 'no'}: {plan.fit_reason}")
-    lines.append(f"pods ({len(plan.pods)}), headroom required {plan.headroom_required:.0%}:")
-    for pod in plan.pods:
+    lines.append(
+        f"pods ({len(plan.pods)}), memory per rank (GPU), headroom required "
+        f"{plan.headroom_required:.0%}:"
+    )
+    for group in _same_pods(plan.pods):
+        pod = group[0]
         res = f"gpus={pod.gpus} requests={pod.requests or {}} limits={pod.limits or {}}"
-        lines.append(f"  {pod.name} [{pod.role}] {res}")
-        if pod.memory is not None:
-            parts = ", ".join(f"{k} {_gib(v)}" for k, v in pod.memory.components.items())
-            lines.append(f"    memory: {parts}")
-            if pod.memory.activations_full or pod.memory.activations_checkpointed:
-                lines.append(
-                    f"    activations: {_gib(pod.memory.activations_full)} without, "
-                    f"{_gib(pod.memory.activations_checkpointed)} with gradient checkpointing "
-                    f"({'on' if pod.memory.gradient_checkpointing else 'off'})"
-                )
-            lines.append(f"    estimate: {_gib(pod.memory.total)}")
+        names = pod.name if len(group) == 1 else f"{pod.name} .. {group[-1].name} (each)"
+        lines.append(f"  {names} [{pod.role}] {res}")
+        lines += _render_memory(pod)
         head = "?" if pod.headroom is None else f"{pod.headroom:.0%}"
         lines.append(
-            f"    available: {_gib(pod.capacity_bytes)} ({pod.capacity_source}); "
-            f"headroom {head}: {pod.verdict}"
+            f"    available per rank: {_gib(pod.capacity_bytes)} ({pod.capacity_source}); "
+            f"headroom {head}"
         )
+        if pod.host_bytes is not None:
+            host_head = "?" if pod.host_headroom is None else f"{pod.host_headroom:.0%}"
+            lines.append(
+                f"    host memory of the pod: {_gib(pod.host_bytes)} of "
+                f"{_gib(pod.host_capacity_bytes)} ({pod.host_capacity_source}); "
+                f"headroom {host_head}"
+            )
+        lines.append(f"    pod: {pod.verdict}")
     lines.append(f"measured: {plan.nearest.note}")
     if plan.nearest.cell is not None:
         keys = ("samples_per_s", "final_reward_mean", "final_reward_spread", "mean_lag_versions")
@@ -630,5 +1056,5 @@ def build_plan_summary(job: RLJob, topology: ResolvedTopology) -> str:
     return (
         f"topology {topology}: {reason} (rule {path[-1].rule}); "
         f"{'fits' if fits else 'does not fit'}: {fit_reason}; pods: {', '.join(parts)}; "
-        "memory estimate per pod: rljob plan --model DIR"
+        "memory estimate per rank (GPU): rljob plan --model DIR"
     )

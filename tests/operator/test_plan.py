@@ -2,19 +2,26 @@
 
 - the decision path: each rule of the README's ``topology: auto`` rule decides in its case, and
   the path names the fields it looked at;
-- the pods come from the builders (names, GPUs, resources) and each gets a memory estimate whose
-  parts follow the algorithm (critic with gae, reference with klCoef, fp32 master with 16-bit
-  weights, less activation memory with gradient checkpointing);
-- headroom verdicts (fits / tight / does-not-fit / unknown) from --gpu-memory, --node-memory,
-  pod limits and node objects;
+- the pods come from the builders (names, GPUs, resources) and each gets a memory estimate per
+  rank, i.e. per GPU, whose parts follow what the trainer does: fp32 master parameters, gradients
+  and AdamW state whatever the compute dtype; 1/world of them per rank under fsdp, all of them
+  (plus DDP's gradient buckets) under ddp; FSDP's gathered layers and root, or the whole model
+  without reshardAfterForward; cpuOffload moving the sharded state to host memory; a critic with
+  gae, a reference with klCoef; activations of one micro-batch capped by microBatchTokens, with
+  one chunk of fp32 logits; an engine that sleeps while a GPU actor trains;
+- headroom verdicts (fits / tight / does-not-fit / unknown) against one GPU (never a pod's GPUs
+  summed: a pod with 8 GPUs and one process is one GPU, with a warning), a vLLM engine's share of
+  its GPU, --node-memory, pod limits (also for cpuOffload's host memory) and node objects;
 - the nearest measured matrix cell, and "no measured cell is near" when none is;
-- the CLI: text and JSON output, exit codes 0 / 1 / 2, errors naming the field;
+- the CLI: text and JSON output, exit codes 0 / 1 / 2, errors naming the field; a Qwen2.5-7B
+  DAPO job on 8 trainer pods × 1 × 80 GB fits with fsdp and not with ddp;
 - the estimate against the measured peak memory of a real learner step on a small model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,14 +34,18 @@ from rljob_operator.api import parse_rljob
 from rljob_operator.cli import main
 from rljob_operator.plan import (
     GIB,
+    LOGIT_CHUNK_COPIES,
+    LOGIT_CHUNK_TOKENS,
+    MemoryEstimate,
     ModelShape,
     PlanError,
     PodCapacity,
+    activation_bytes,
     build_plan,
     build_plan_summary,
     capacity_from_nodes,
     decision_path,
-    estimate_pod_memory,
+    estimate_rank_memory,
     nearest_cell,
     parse_memory_quantity,
 )
@@ -118,34 +129,135 @@ def test_decision_path_names_the_fields_that_decided() -> None:
 # ---------------------------------------------------------------------------- memory
 
 
+def dapo(**trainer: Any) -> Any:
+    """A disaggregated DAPO job in bf16 with these trainer fields (trainer ranks: no engine)."""
+    return job(
+        topology="disaggregated",
+        algorithm={"name": "dapo", "klCoef": 0.1},
+        model={"dtype": "bfloat16"},
+        trainer=trainer,
+    )
+
+
+def rank(spec_job: Any, role: str = "trainer") -> MemoryEstimate:
+    spec = spec_job.spec
+    return estimate_rank_memory(spec, "disaggregated", role, SHAPE_7B)
+
+
 def test_estimate_ppo_adds_a_critic_grpo_does_not() -> None:
-    ppo = estimate_pod_memory(job(algorithm={"name": "ppo"}).spec, "colocated", "actor", SHAPE_7B)
-    grpo = estimate_pod_memory(job().spec, "colocated", "actor", SHAPE_7B)
-    assert "critic_adam_moments_fp32" in ppo.components
-    assert "critic_weights" not in grpo.components
+    ppo = estimate_rank_memory(job(algorithm={"name": "ppo"}).spec, "colocated", "actor", SHAPE_7B)
+    grpo = estimate_rank_memory(job().spec, "colocated", "actor", SHAPE_7B)
+    assert ppo.components["critic_adam_moments_fp32"] == 8 * SHAPE_7B.critic_parameters()
+    assert not any(k.startswith("critic_") for k in grpo.components)
     # the guide: a critic costs 30%+ memory
     assert ppo.total / grpo.total > 1.3
 
 
-def test_estimate_parts_follow_kl_dtype_and_checkpointing() -> None:
-    bf16 = job(model={"dtype": "bfloat16"}, algorithm={"name": "grpo", "klCoef": 0.1})
-    est = estimate_pod_memory(bf16.spec, "colocated", "actor", SHAPE_7B)
+@pytest.mark.parametrize(("dtype", "compute_bytes"), [("bfloat16", 2), ("float32", 4)])
+def test_estimate_fp32_master_and_adam_whatever_the_compute_dtype(
+    dtype: str, compute_bytes: int
+) -> None:
+    spec = job(model={"dtype": dtype}, algorithm={"name": "grpo", "klCoef": 0.1}).spec
+    est = estimate_rank_memory(spec, "colocated", "actor", SHAPE_7B)
     params = SHAPE_7B.parameters()
     assert 7.0e9 < params < 7.8e9  # a Qwen2-7B shape
-    assert est.components["policy_weights"] == 2 * params
-    assert est.components["policy_fp32_master"] == 4 * params
+    assert est.components["policy_parameters_fp32"] == 4 * params
+    assert est.components["policy_gradients_fp32"] == 4 * params
     assert est.components["policy_adam_moments_fp32"] == 8 * params
-    assert est.components["reference_weights"] == 2 * params
+    assert est.components["reference_parameters"] == compute_bytes * params
+    # one rank is a replica: autocast keeps compute-dtype copies of the linear weights
+    autocast = est.transient.get("policy_autocast_weights", 0)
+    assert autocast == (2 * SHAPE_7B.autocast_parameters() if compute_bytes == 2 else 0)
     assert est.activations_checkpointed < est.activations_full
-    on = job(trainer={"gradientCheckpointing": True})
-    assert estimate_pod_memory(on.spec, "colocated", "actor", SHAPE_7B).gradient_checkpointing
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_estimate_fsdp_state_per_rank_is_one_world_th_ddp_keeps_it_whole(world: int) -> None:
+    one = rank(dapo(replicas=1, sharding="fsdp")).components  # nothing to shard over: a replica
+    fsdp = rank(dapo(replicas=world, sharding="fsdp")).components
+    ddp = rank(dapo(replicas=world, sharding="ddp")).components
+    state = ("policy_parameters_fp32", "policy_gradients_fp32", "policy_adam_moments_fp32")
+    for key in (*state, "reference_parameters"):
+        assert fsdp[key] == pytest.approx(one[key] / world, abs=16)  # ceil(P / world)
+        assert ddp[key] == one[key]
+    # DDP's all-reduce buckets are a second copy of the gradients on every rank of a group
+    assert ddp["policy_ddp_gradient_buckets_fp32"] == 4 * SHAPE_7B.parameters()
+    assert "policy_ddp_gradient_buckets_fp32" not in one
+
+
+def test_estimate_fsdp_gathers_two_layers_and_the_root_or_the_whole_model() -> None:
+    layer, root, params = (
+        SHAPE_7B.layer_parameters(),
+        SHAPE_7B.root_parameters(),
+        SHAPE_7B.parameters(),
+    )
+    zero3 = rank(dapo(replicas=4)).transient
+    zero2 = rank(dapo(replicas=4, reshardAfterForward=False)).transient
+    assert zero3["policy_gathered_parameters"] == 2 * (2 * layer + root)  # bf16
+    assert zero2["policy_gathered_parameters"] == 2 * params
+    # the root's bf16 gradients until the end of backward + one layer's fp32 reduce-scatter input
+    assert zero3["policy_unsharded_gradients"] == 2 * root + 4 * layer
+
+
+def test_estimate_cpu_offload_moves_the_sharded_state_to_host() -> None:
+    on_gpu = rank(dapo(replicas=4))
+    offload = rank(dapo(replicas=4, cpuOffload=True))
+    assert offload.host == on_gpu.components  # policy state and the reference shard
+    assert offload.components == {}
+    assert offload.transient == on_gpu.transient  # gathered layers still come to the GPU
+    assert offload.total == on_gpu.total - sum(on_gpu.components.values())
+
+
+def test_estimate_micro_batch_tokens_caps_the_activations() -> None:
+    def activations(**trainer: Any) -> int:
+        spec = job(
+            algorithm={"name": "grpo", "groupSize": 4, "batchSize": 16},
+            rollout={"sampling": {"maxTokens": 1024}},
+            trainer=trainer,
+        )
+        return estimate_rank_memory(spec.spec, "colocated", "actor", SHAPE_7B).activations_full
+
+    def expected(tokens: int) -> int:
+        return activation_bytes(SHAPE_7B, tokens=tokens, dtype_bytes=4, checkpointed=False)
+
+    rows_by_seq = 16 * 4 * (64 + 1024)  # one rank's whole minibatch
+    assert activations(microBatchTokens=4096) == expected(4096)
+    assert activations(microBatchTokens=8192) == expected(8192)
+    assert activations(microBatchTokens=10**7) == expected(rows_by_seq)
+    assert activations(replicas=2, microBatchTokens=10**7) == expected(rows_by_seq // 2)
+    # a row longer than the budget is a micro-batch of its own
+    assert activations(microBatchTokens=64) == expected(64 + 1024)
+
+
+def test_estimate_logits_are_one_chunk_of_fp32_not_every_token() -> None:
+    def head(tokens: int) -> int:
+        with_logits = activation_bytes(SHAPE_7B, tokens=tokens, dtype_bytes=2, checkpointed=True)
+        return with_logits - activation_bytes(
+            SHAPE_7B, tokens=tokens, dtype_bytes=2, checkpointed=True, logits=False
+        )
+
+    chunk = LOGIT_CHUNK_TOKENS * SHAPE_7B.vocab_size * 4 * LOGIT_CHUNK_COPIES
+    assert head(16384) == head(4096) == chunk
+    assert head(100) == 100 * SHAPE_7B.vocab_size * 4 * LOGIT_CHUNK_COPIES
 
 
 def test_estimate_rollout_pod_has_engine_and_kv_cache_only() -> None:
     spec = job(topology="disaggregated", algorithm={"name": "dapo"}).spec
-    est = estimate_pod_memory(spec, "disaggregated", "rollout", SHAPE_7B)
+    est = estimate_rank_memory(spec, "disaggregated", "rollout", SHAPE_7B)
     assert set(est.components) == {"engine_weights", "kv_cache"}
-    assert est.activations_full == 0
+    assert est.activations_full == 0 and not est.transient and not est.host
+
+
+def test_estimate_gpu_actor_engine_sleeps_while_training_cpu_actor_adds_it() -> None:
+    gpu = estimate_rank_memory(job().spec, "colocated", "actor", SHAPE_7B)
+    assert set(gpu.generation) == {"engine_weights", "kv_cache"}
+    held, engine = sum(gpu.components.values()), sum(gpu.generation.values())
+    training = sum(gpu.transient.values()) + gpu.activations_full
+    assert gpu.total == held + max(training, engine)
+    cpu = estimate_rank_memory(
+        job(trainer={"gpusPerReplica": 0}).spec, "colocated", "actor", SHAPE_7B
+    )
+    assert "engine_weights" in cpu.components and not cpu.generation
 
 
 def test_model_shape_missing_keys_names_the_field() -> None:
@@ -167,21 +279,87 @@ def test_plan_pods_come_from_the_builders_with_resources() -> None:
     assert plan.pods[0].limits == {"memory": "8Gi", "nvidia.com/gpu": "1"}
 
 
-def test_plan_7b_on_one_80g_gpu_does_not_fit_on_eight_tight_or_fits() -> None:
-    small = build_plan(job(), shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB))
-    assert small.verdict == "does-not-fit"
-    # a 7B policy with Adam needs ~7.6e9 x 16 B = ~113 GiB of trainer state alone
-    assert small.pods[0].headroom is not None and small.pods[0].headroom < 0
-    big = job(trainer={"gpusPerReplica": 8})
-    assert build_plan(big, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB)).verdict == (
-        "fits"
+def test_plan_7b_on_one_8_gpu_pod_is_one_rank_on_one_gpu_and_does_not_fit() -> None:
+    """The issue's bug: 8 GPUs of one pod were summed, but its one process uses one GPU."""
+    one_pod = build_plan(
+        job(model={"dtype": "bfloat16"}, trainer={"gpusPerReplica": 8}),
+        shape=SHAPE_7B,
+        capacity=PodCapacity(gpu_bytes=80 * GIB),
     )
-    est = build_plan(big, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB)).pods[0]
-    assert est.memory is not None
-    tight_gpu = int(est.memory.total / 8 / 0.9)  # 10% headroom left
-    tight = build_plan(big, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=tight_gpu))
-    assert tight.verdict == "tight"
-    assert any("below 15%" in w for w in tight.warnings)
+    pod = one_pod.pods[0]
+    assert one_pod.verdict == "does-not-fit"
+    assert (pod.gpus, pod.gpus_used, pod.capacity_bytes) == (8, 1, 80 * GIB)
+    # a replica of a 7B policy with AdamW: 16 B per parameter before any activation
+    assert pod.memory is not None and pod.memory.total > 16 * SHAPE_7B.parameters()
+    assert any(
+        "7 of its 8 GPUs stay idle" in w and "spec.trainer.replicas 8 and gpusPerReplica 1" in w
+        for w in one_pod.warnings
+    )
+    eight = job(model={"dtype": "bfloat16"}, trainer={"replicas": 8, "gpusPerReplica": 1})
+    spread = build_plan(eight, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB))
+    assert spread.verdict == "fits" and len(spread.pods) == 8
+    assert not any("idle" in w for w in spread.warnings)
+
+
+def test_plan_tight_headroom_warns_once_for_identical_pods() -> None:
+    spec = dapo(replicas=8)
+    first = build_plan(spec, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB))
+    trainer = next(p for p in first.pods if p.role == "trainer")
+    assert trainer.memory is not None
+    tight_gpu = int(trainer.memory.total / 0.9)  # 10% headroom left
+    tight = build_plan(spec, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=tight_gpu))
+    trainers = [p for p in tight.pods if p.role == "trainer"]
+    assert {p.verdict for p in trainers} == {"tight"} and tight.verdict != "fits"
+    below = [w for w in tight.warnings if "below 15%" in w]
+    assert below == [
+        "p-trainer-0 .. p-trainer-7: headroom 10% is below 15% on one rank (GPU); add memory "
+        "or set spec.trainer.gradientCheckpointing"
+    ]
+
+
+def test_plan_cpu_offload_checks_host_memory_against_the_pod_limit() -> None:
+    def trainers(limit: str) -> list[Any]:
+        spec = dapo(replicas=4, cpuOffload=True, resources={"limits": {"memory": limit}})
+        plan = build_plan(spec, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB))
+        return [p for p in plan.pods if p.role == "trainer"], plan.warnings
+
+    host_per_rank = (16 + 2) * math.ceil(SHAPE_7B.parameters() / 4)  # fp32 state + bf16 ref
+    small, warnings = trainers("16Gi")
+    assert small[0].host_bytes == host_per_rank and small[0].host_capacity_bytes == 16 * GIB
+    assert {p.verdict for p in small} == {"does-not-fit"}
+    assert any("cpuOffload keeps" in w and "resources.limits.memory" in w for w in warnings)
+    large, _ = trainers("64Gi")
+    assert {p.verdict for p in large} == {"fits"}
+
+
+def test_plan_vllm_rollout_engine_must_fit_its_share_of_one_gpu() -> None:
+    def rollout(engine: str, gpus: int = 1) -> tuple[Any, list[str]]:
+        spec = job(
+            topology="disaggregated",
+            algorithm={"name": "dapo"},
+            model={"dtype": "bfloat16"},
+            rollout={"engine": engine, "gpusPerReplica": gpus},
+        )
+        plan = build_plan(spec, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=24 * GIB))
+        return plan.pods[0], plan.warnings
+
+    vllm, _ = rollout("vllm")  # 7B bf16 weights: ~14 GiB, more than half of 24 GiB
+    assert vllm.capacity_bytes == 12 * GIB and vllm.verdict == "does-not-fit"
+    hf, _ = rollout("hf")
+    assert hf.capacity_bytes == 24 * GIB and hf.verdict != "does-not-fit"
+    two, warnings = rollout("vllm", gpus=2)
+    assert two.capacity_bytes == 12 * GIB  # one engine on one GPU: no tensor parallel yet
+    assert any("no tensor parallel yet" in w for w in warnings)
+
+
+def test_plan_colocated_vllm_share_must_fit_beside_the_trainer_state() -> None:
+    # 2 ranks of fsdp: ~57 GiB of fp32 state per GPU trains in 80 GiB, but vLLM's half of the
+    # GPU does not fit beside it while generating
+    spec = job(model={"dtype": "bfloat16"}, trainer={"replicas": 2})
+    plan = build_plan(spec, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB))
+    assert plan.pods[0].headroom is not None and plan.pods[0].headroom > 0
+    assert plan.pods[0].verdict == "does-not-fit"
+    assert any("plus the vLLM engine's share" in w for w in plan.warnings)
 
 
 def test_plan_cpu_pod_uses_its_memory_limit_else_the_default_request() -> None:
@@ -310,6 +488,58 @@ def test_cli_plan_model_without_config_exit_two(
     assert "--model:" in capsys.readouterr().err
 
 
+QWEN25_7B_CONFIG = {  # the public config.json of Qwen/Qwen2.5-7B (the fields the plan reads)
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    ("sharding", "code", "verdict"), [("fsdp", 0, "fits"), ("ddp", 1, "does-not-fit")]
+)
+def test_cli_plan_qwen25_7b_dapo_on_8_gpus_fits_with_fsdp_not_with_ddp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharding: str, code: int, verdict: str
+) -> None:
+    model = tmp_path / "qwen2.5-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    manifest = write_manifest(
+        tmp_path,
+        model,
+        topology="disaggregated",
+        algorithm={"name": "dapo", "groupSize": 8, "batchSize": 32, "miniBatchSize": 8},
+        model={"dtype": "bfloat16"},
+        rollout={"replicas": 4, "sampling": {"maxTokens": 2048}},
+        trainer={
+            "replicas": 8,
+            "gpusPerReplica": 1,
+            "sharding": sharding,
+            "gradientCheckpointing": True,
+        },
+    )
+    args = ["plan", str(manifest), "--gpu-memory", "81559Mi", "--prompt-tokens", "512"]
+    assert main([*args, "--output", "json"]) == code
+    out = json.loads(capsys.readouterr().out)
+    trainers = [p for p in out["pods"] if p["role"] == "trainer"]
+    assert len(trainers) == 8 and {p["verdict"] for p in trainers} == {verdict}
+    assert {p["capacity_bytes"] for p in trainers} == {81559 * 2**20}  # one GPU each
+    assert out["verdict"] == verdict
+    main(args)
+    text = capsys.readouterr().out
+    assert "p-trainer-0 .. p-trainer-7 (each) [trainer]" in text
+    assert f"trainer world 8 rank(s) (1 per pod), {sharding}" in text
+    assert "estimate per rank (GPU):" in text
+
+
 # ------------------------------------------------------------- estimate vs measured
 
 PROBE = Path(__file__).with_name("plan_memory_probe.py")
@@ -323,8 +553,9 @@ def test_estimate_matches_measured_peak_of_a_learner_step(
 ) -> None:
     """Trainer-side estimate (weights, reference, gradients, Adam, activations) against the
     peak RSS growth of loading the learner and one update on CPU (hidden 512, 4 layers, 16
-    rows of 64 + 64 tokens). Measured: 477 MiB vs 487 MiB estimated without checkpointing,
-    377 vs 309 MiB with it."""
+    rows of 64 + 64 tokens). Measured with the replica (ddp-layout) learner: 477 MiB vs 487 MiB
+    estimated without checkpointing, 377 vs 309 MiB with it; the per-rank model estimates 486
+    and 309 MiB (one rank is a replica)."""
     from rljob_workers.tinymodel import build_tiny_model
 
     model = build_tiny_model(tmp_path / "m", hidden_size=512, num_layers=4)
@@ -345,6 +576,6 @@ def test_estimate_matches_measured_peak_of_a_learner_step(
     measured = json.loads(result.stdout.strip().splitlines()[-1])["peak_bytes"]
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()), source="m")
     spec = parse_rljob(yaml.safe_load(manifest.read_text())).spec
-    est = estimate_pod_memory(spec, "colocated", "actor", shape, prompt_tokens=64)
+    est = estimate_rank_memory(spec, "colocated", "actor", shape, prompt_tokens=64)
     trainer_side = est.total - est.components["engine_weights"] - est.components["kv_cache"]
     assert abs(trainer_side - measured) / measured <= TOLERANCE, (trainer_side, measured)
