@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from rljob_workers import checkpoint as checkpoint_module
 from rljob_workers.checkpoint import (
     CheckpointState,
     latest_checkpoint,
@@ -127,7 +128,8 @@ def test_checkpoint_crash_while_writing_keeps_previous_as_latest(tmp_path, monke
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", disk_full)
+    # the shards are written; the disk fills up at the last file (state.json)
+    monkeypatch.setattr(checkpoint_module, "_write_state", disk_full)
     with pytest.raises(OSError, match="No space"):
         _save(tmp_path, 2, module, optimizer)
     assert latest_checkpoint(tmp_path) == previous

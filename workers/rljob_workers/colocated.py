@@ -42,6 +42,7 @@ import torch.distributed as dist
 from rljob_workers.algos import MAX_SAMPLING_ROUNDS, dynamic_sampling_keep_mask
 from rljob_workers.checkpoint import (
     CheckpointState,
+    check_same_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     resume_point,
@@ -54,6 +55,7 @@ from rljob_workers.engine import RolloutEngine, build_engine
 from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
+from rljob_workers.sharding import COMPUTE_DTYPES
 from rljob_workers.startup import StartupClock
 from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, mix_seed, score_groups
 from rljob_workers.utilization import account_colocated_step
@@ -368,23 +370,16 @@ class ColocatedRuntime:
         """Push the policy into the engine; return ms from the last optimizer.step() to serving."""
         self.policy.eval()
         self.engine.wake()
-        self.engine.load_weights(self.policy_version, self.policy.named_weights())
+        self._load_engine()
         return (time.perf_counter() - self.learner.last_step_perf) * 1000.0
 
-    # ---------------------------------------------------------- distributed
+    def _load_engine(self) -> None:
+        """The engine loads the policy's weights, gathered from the shards tensor by tensor
+        and cast to the engine's dtype (the trainer keeps fp32 masters)."""
+        dtype = COMPUTE_DTYPES[self.config.model.dtype]
+        self.engine.load_weights(self.policy_version, self.policy.named_weights(dtype))
 
-    def _check_same_checkpoint(self, chosen: Path | None) -> None:
-        if not self.distributed:
-            return
-        mine = -1 if chosen is None else int(chosen.name.removeprefix("step-"))
-        steps = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        if int(steps[0]) != -int(steps[1]):
-            raise RuntimeError(
-                f"spec.checkpoint: actor {self.env.rank} found checkpoint step {mine} in "
-                f"{self.config.checkpoint.dir} but another actor found step {int(steps[0])}; "
-                "the checkpoint volume must be shared by every actor"
-            )
+    # ---------------------------------------------------------- distributed
 
     def _global_mean(self, values: list[float]) -> float:
         total, count = global_sum(
@@ -395,26 +390,22 @@ class ColocatedRuntime:
     # ---------------------------------------------------------- checkpoints
 
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint (rank 0 writes; every rank waits for it). Returns its path."""
+        """Write a checkpoint (every actor writes its shard). Returns its path."""
         modules, optimizers = self.learner.checkpoint_parts()
-        path = None
-        if self.env.rank == 0:
-            state = CheckpointState(
-                step=self.step,
-                policy_version=self.policy_version,
-                data_cursor=self.sampler.state_dict(),
-                extra={"job": self.config.job_name, "config_version": self.config.config_version},
-            )
-            path = save_checkpoint(
-                self.config.checkpoint.dir,
-                state,
-                modules=modules,
-                optimizers=optimizers,
-                keep=self.config.checkpoint.keep,
-            )
-        if self.distributed:
-            dist.barrier()
-        return path
+        state = CheckpointState(
+            step=self.step,
+            policy_version=self.policy_version,
+            data_cursor=self.sampler.state_dict(),
+            extra={"job": self.config.job_name, "config_version": self.config.config_version},
+        )
+        return save_checkpoint(
+            self.config.checkpoint.dir,
+            state,
+            modules=modules,
+            optimizers=optimizers,
+            keep=self.config.checkpoint.keep,
+            distributed=self.distributed,
+        )
 
     def resume(self, path: str | Path | None = None) -> bool:
         """Load ``path`` (default: the newest checkpoint); False when there is none.
@@ -423,16 +414,20 @@ class ColocatedRuntime:
         is shared), otherwise their weights would silently diverge: that raises instead.
         """
         chosen = Path(path) if path is not None else latest_checkpoint(self.config.checkpoint.dir)
-        self._check_same_checkpoint(chosen)
+        check_same_checkpoint(
+            chosen, distributed=self.distributed, directory=self.config.checkpoint.dir
+        )
         if chosen is None:
             return False
         modules, optimizers = self.learner.checkpoint_parts()
-        state = load_checkpoint(chosen, modules=modules, optimizers=optimizers)
+        state = load_checkpoint(
+            chosen, modules=modules, optimizers=optimizers, distributed=self.distributed
+        )
         self.step = state.step
         self.policy_version = state.policy_version
         self.sampler.load_state_dict(state.data_cursor)
         self.policy.eval()
-        self.engine.load_weights(self.policy_version, self.policy.named_weights())
+        self._load_engine()
         log.info("resumed from %s at step %d", chosen, self.step)
         return True
 

@@ -206,7 +206,8 @@ class _MicroBatch:
 
 def _first(output: Any) -> Tensor:
     """The tensor of a model's output (a policy returns ``(logp, entropy)``, a critic values)."""
-    return output[0] if isinstance(output, tuple) else output
+    tensor: Tensor = output[0] if isinstance(output, tuple) else output
+    return tensor
 
 
 def _total(norm: Tensor) -> float:

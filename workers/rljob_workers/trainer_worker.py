@@ -46,6 +46,7 @@ from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.checkpoint import (
     CheckpointState,
+    check_same_checkpoint,
     load_checkpoint,
     published_version,
     record_published_version,
@@ -54,10 +55,11 @@ from rljob_workers.checkpoint import (
 )
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, FileWatcher, stop_on_sigterm
-from rljob_workers.ddp import init_process_group_from_env, leave_process_group
+from rljob_workers.ddp import global_sum, init_process_group_from_env, leave_process_group
 from rljob_workers.learner import Experience, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
+from rljob_workers.sharding import COMPUTE_DTYPES
 from rljob_workers.staleness import StalenessAccounting, effective_max_versions
 from rljob_workers.transport import ExperienceServer, token_from_env
 from rljob_workers.weightsync import WeightServer
@@ -216,9 +218,11 @@ class TrainerWorker:
         self._last_beat = -math.inf
         self._last_record: dict[str, Any] = {}
         self.reporter = RoleReporter(config, env, heartbeat=self.leader)
+        self._republish = False
         if self.leader:
             self.servers = _Servers(config, env, version=self.version)
-            self._publish()
+        self._publish()
+        if self.servers is not None:
             self.servers.start()
 
     # ----------------------------------------------------------------------------- loop
@@ -229,22 +233,34 @@ class TrainerWorker:
         Stopped early, rank 0 saves a checkpoint of the last finished step first, so a
         restarted trainer group loses no finished step."""
         records = []
-        while self.step < self.config.total_steps and not self.stop.is_set():
+        stopping = False
+        while self.step < self.config.total_steps:
+            stopping = self._stop_agreed()
+            if stopping:
+                break
             records.append(self.train_step())
-        if self.stop.is_set() and self.step < self.config.total_steps:
+        if stopping:
             self.checkpoint_now()
             return records
         self.report_progress(done=True)
         return records
 
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM): the ranks leave after the same step."""
+        if not self.distributed:
+            return self.stop.is_set()
+        return global_sum([float(self.stop.is_set())], distributed=True)[0] > 0
+
     def checkpoint_now(self) -> str | None:
-        """Rank 0: checkpoint the last finished step now (no barrier: the other ranks may be
-        gone); tell the operator. None when there is nothing new to save."""
+        """Checkpoint the last finished step now and tell the operator; None when there is
+        nothing new to save. Sharded (fsdp) ranks save together, right after agreeing to
+        stop; replicas (ddp) leave it to rank 0 alone, so it holds when a peer is gone."""
         every = self.config.checkpoint.every_steps
         already = every > 0 and self.step % every == 0  # _maybe_checkpoint saved this step
-        if not self.leader or self.step == 0 or already:
+        together = self.learner.layout.fsdp
+        if self.step == 0 or already or not (self.leader or together):
             return None
-        path = self._save_checkpoint()
+        path = self._save_checkpoint(distributed=together)
         self.report_progress(done=False)
         log.info("stopped at step %d: checkpoint %s", self.step, path)
         return str(path)
@@ -330,6 +346,7 @@ class TrainerWorker:
                     self.accounting.max_versions,
                     self._taken_rewards,
                     self.version,  # rank 0 may have moved past versions the rollouts hold
+                    self._republish,
                 )
                 box: list[Any] = [shared]
                 dist.broadcast_object_list(box, src=0)
@@ -339,7 +356,11 @@ class TrainerWorker:
                     self.accounting.max_versions,
                     self._taken_rewards,
                     self.version,
+                    self._republish,
                 ) = box[0]
+            if self._republish:  # rank 0 moved to a new version number: every rank gathers
+                self._republish = False
+                self._publish()
             if payload is not None:
                 return payload, time.monotonic() - started, self._starving
 
@@ -375,7 +396,7 @@ class TrainerWorker:
                 "experience of version %d is ahead of %d; continuing past it", newest, self.version
             )
             self.version = newest + 1
-            self._publish()
+            self._republish = True  # after the batch is shared: every rank gathers under fsdp
         for group in group_batch(taken, n):
             if not self.config.algorithm.dynamic_sampling or _has_signal(group):
                 self._assembling.append(group)
@@ -402,11 +423,16 @@ class TrainerWorker:
     # ------------------------------------------------------------------ weights, state
 
     def _publish(self, stepped_wall: float | None = None) -> dict[str, Any]:
-        """Rank 0: publish the weights as ``self.version`` and announce the version."""
+        """Rank 0: publish the weights as ``self.version`` and announce the version (under
+        fsdp every rank calls it: the full tensors are gathered from the shards one by one)."""
+        weights = self.policy.named_weights(COMPUTE_DTYPES[self.config.model.dtype])
         if self.servers is None:
+            if self.learner.layout.fsdp:  # gathering a shard is a collective: take part
+                for _ in weights:
+                    pass
             return {}
         started = time.perf_counter()
-        report = self.servers.weights.publish(self.version, dict(self.policy.named_weights()))
+        report = self.servers.weights.publish(self.version, dict(weights))
         self.servers.experience.set_policy_version(self.version)
         record_published_version(self.config.checkpoint.dir, self.version)
         if stepped_wall is not None:
@@ -437,12 +463,10 @@ class TrainerWorker:
         every = self.config.checkpoint.every_steps
         if every <= 0 or (self.step % every and self.step != self.config.total_steps):
             return None
-        path = self._save_checkpoint() if self.leader else None
-        if self.distributed:
-            dist.barrier()
-        return None if path is None else str(path)
+        path = self._save_checkpoint(distributed=self.distributed)
+        return str(path) if self.leader else None
 
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self, *, distributed: bool) -> Path:
         modules, optimizers = self.learner.checkpoint_parts()
         path = save_checkpoint(
             self.config.checkpoint.dir,
@@ -454,6 +478,7 @@ class TrainerWorker:
             modules=modules,
             optimizers=optimizers,
             keep=self.config.checkpoint.keep,
+            distributed=distributed,
         )
         self.last_checkpoint = str(path)
         return path
@@ -463,11 +488,16 @@ class TrainerWorker:
         if named is None and not self.config.checkpoint.resume:
             return
         found = resume_point(self.config.checkpoint.dir, named)
+        check_same_checkpoint(
+            found, distributed=self.distributed, directory=self.config.checkpoint.dir
+        )
         if found is None:
             return
         chosen = str(found)
         modules, optimizers = self.learner.checkpoint_parts()
-        state = load_checkpoint(chosen, modules=modules, optimizers=optimizers)
+        state = load_checkpoint(
+            chosen, modules=modules, optimizers=optimizers, distributed=self.distributed
+        )
         self.step, self.version = state.step, state.policy_version
         self.last_checkpoint = chosen
         log.info("resumed from %s at step %d (version %d)", chosen, self.step, self.version)
