@@ -264,6 +264,7 @@ PROGRESS_FIELDS_SINCE: dict[str, int] = {
     "idle_fraction": 2,
     "accelerator_util": 2,
     "accelerator_util_std": 2,
+    "exported_model": 3,
 }
 """Progress fields added after schema 1, with the schema version that added them: a report to
 an operator of an older schema leaves them out (that operator's model refuses unknown fields
@@ -300,6 +301,11 @@ class Progress(_Model):
     )
     accelerator_util_std: float | None = Field(
         None, description="standard deviation of GPU utilisation over the last step (%)"
+    )
+    exported_model: str | None = Field(
+        None,
+        description="the Hugging Face model directory written at the end (config, safetensors "
+        "shards, tokenizer), on the checkpoint volume",
     )
     done: bool = Field(False, description="totalSteps reached; the job may finish")
 
