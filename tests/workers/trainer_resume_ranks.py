@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from rljob_workers.config import ProcessEnv, WorkerConfig
+from rljob_workers.ddp import trainer_process_group
 from rljob_workers.tinymodel import build_tokenizer
-from rljob_workers.trainer_worker import TrainerWorker, _trainer_group
+from rljob_workers.trainer_worker import TrainerWorker
 from rljob_workers.transport import ExperienceClient
 from tests.workers.test_disaggregated import TOKEN, _synthetic_group
 
@@ -37,7 +38,7 @@ def _run(out: Path, phase: str, groups: list[int]) -> dict[str, object]:
         token=TOKEN,
     )
     seen: dict[str, object] = {}
-    with _trainer_group(config, env):
+    with trainer_process_group(config, env):
         worker = TrainerWorker(config, env)
         try:
             seen["start"] = (worker.step, worker.version)

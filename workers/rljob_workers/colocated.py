@@ -27,11 +27,10 @@ from a checkpoint repeats the uninterrupted run exactly.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,9 @@ from rljob_workers.checkpoint import (
 )
 from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, stop_on_sigterm
-from rljob_workers.ddp import global_sum, leave_process_group
+from rljob_workers.ddp import global_sum, trainer_process_group
 from rljob_workers.engine import RolloutEngine, build_engine
+from rljob_workers.export import export_trained_policy
 from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
@@ -64,7 +64,6 @@ __all__ = [
     "ColocatedRuntime",
     "build_colocated_runtime",
     "format_step",
-    "process_group",
     "run_colocated",
 ]
 
@@ -174,7 +173,8 @@ class ColocatedRuntime:
     def run(
         self, *, on_step: Callable[[dict[str, Any]], None] | None = None
     ) -> list[dict[str, Any]]:
-        """Train until ``total_steps``, checkpointing every ``checkpoint.every_steps``."""
+        """Train until ``total_steps``, checkpointing every ``checkpoint.every_steps``; the
+        last step also writes the job's Hugging Face model (``exported_model``)."""
         records: list[dict[str, Any]] = []
         every = self.config.checkpoint.every_steps
         saved_at = self.step  # 0, or the checkpoint it resumed from
@@ -184,6 +184,10 @@ class ColocatedRuntime:
                 saved = self.save_checkpoint()
                 saved_at = self.step
                 record["checkpoint"] = None if saved is None else str(saved)
+            if self.step == self.config.total_steps:
+                record["exported_model"] = export_trained_policy(
+                    self.policy, self.config, step=self.step, writer=self.env.rank == 0
+                )
             records.append(record)
             if on_step is not None:
                 on_step(record)
@@ -404,7 +408,7 @@ class ColocatedRuntime:
             modules=modules,
             optimizers=optimizers,
             keep=self.config.checkpoint.keep,
-            distributed=self.distributed,
+            distributed=self.learner.in_group,
         )
 
     def resume(self, path: str | Path | None = None) -> bool:
@@ -415,13 +419,13 @@ class ColocatedRuntime:
         """
         chosen = Path(path) if path is not None else latest_checkpoint(self.config.checkpoint.dir)
         check_same_checkpoint(
-            chosen, distributed=self.distributed, directory=self.config.checkpoint.dir
+            chosen, distributed=self.learner.in_group, directory=self.config.checkpoint.dir
         )
         if chosen is None:
             return False
         modules, optimizers = self.learner.checkpoint_parts()
         state = load_checkpoint(
-            chosen, modules=modules, optimizers=optimizers, distributed=self.distributed
+            chosen, modules=modules, optimizers=optimizers, distributed=self.learner.in_group
         )
         self.step = state.step
         self.policy_version = state.policy_version
@@ -443,21 +447,6 @@ def _shard_size(total: int, world_size: int) -> int:
 
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
-
-
-@contextlib.contextmanager
-def process_group(env: ProcessEnv, config: WorkerConfig) -> Iterator[None]:
-    """Join (and finally leave) the actors' process group when ``world_size > 1``."""
-    if env.world_size <= 1:
-        yield
-        return
-    backend = "nccl" if config.device == "cuda" else "gloo"
-    address = f"tcp://{config.endpoints.trainer_host}:{config.endpoints.rendezvous_port}"
-    dist.init_process_group(backend, init_method=address, rank=env.rank, world_size=env.world_size)
-    try:
-        yield
-    finally:
-        leave_process_group()  # a no-op when vLLM's in-process engine already tore it down
 
 
 def build_colocated_runtime(
@@ -536,6 +525,7 @@ class _StepReporter(RoleReporter):
                 buffer_age_seconds=record.get("buffer_age_s"),
                 dropped=dict(self.dropped),
                 last_checkpoint=self.last_checkpoint,
+                exported_model=record.get("exported_model"),
                 tokens_per_second=record.get("tokens_per_s"),
                 reward_mean=finite_or_none(record.get("reward_mean")),
                 idle_fraction=finite_or_none(record.get("idle_fraction")),
@@ -563,7 +553,7 @@ def run_colocated(
     """
     clock = StartupClock()
     clock.mark("imports")
-    with process_group(env, config):
+    with trainer_process_group(config, env):
         clock.mark("process_group")
         # the runtime (and its DDP reducer) lives only in _run_actor's frame, so it is freed
         # before the group is left

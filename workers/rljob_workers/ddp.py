@@ -16,9 +16,10 @@ Gradient compression is a DDP communication hook:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,13 +30,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from rljob_workers.config import GradientCompressionConfig
+from rljob_workers.config import (
+    GradientCompressionConfig,
+    ProcessEnv,
+    TrainerConfig,
+    WorkerConfig,
+)
 
 __all__ = [
     "DistributedContext",
     "global_sum",
     "init_process_group_from_env",
+    "needs_process_group",
     "register_compression_hook",
+    "trainer_process_group",
     "wrap_ddp",
 ]
 
@@ -129,6 +137,35 @@ def register_compression_hook(
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
 
 
+def needs_process_group(trainer: TrainerConfig, world_size: int) -> bool:
+    """Whether a trainer of ``world_size`` ranks runs in a process group: with several ranks,
+    and with one under fsdp + cpuOffload (FSDP2 offloads a single rank's state to host memory,
+    so one GPU holds a model whose fp32 state does not fit on it)."""
+    return world_size > 1 or (trainer.sharding == "fsdp" and trainer.cpu_offload)
+
+
+@contextlib.contextmanager
+def trainer_process_group(config: WorkerConfig, env: ProcessEnv) -> Iterator[None]:
+    """Join (and finally leave) the group of the trainer ranks (colocated: the actors) when
+    ``needs_process_group``; gloo on CPU, NCCL on GPU, rendezvous at the trainer endpoint."""
+    if not needs_process_group(config.trainer, env.world_size):
+        yield
+        return
+    init_process_group_from_env(
+        "nccl" if config.device == "cuda" else "gloo",
+        env={
+            "MASTER_ADDR": config.endpoints.trainer_host,
+            "MASTER_PORT": str(config.endpoints.rendezvous_port),
+            "RANK": str(env.rank),
+            "WORLD_SIZE": str(env.world_size),
+        },
+    )
+    try:
+        yield
+    finally:
+        leave_process_group()  # a no-op when vLLM's in-process engine already tore it down
+
+
 def leave_process_group() -> None:
     """Destroy the default process group once nothing holds it any more.
 
@@ -164,6 +201,7 @@ def wrap_ddp(
         device_ids=device_ids,
         process_group=process_group,
         static_graph=gradient_checkpointing,
+        gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy
     )
     register_compression_hook(
         ddp, compression, process_group=process_group, start_powersgd_iter=start_powersgd_iter

@@ -274,6 +274,9 @@ class Learner:
             world_size=world_size,
             device=config.device,
         )
+        self.in_group = self.distributed or self.layout.fsdp
+        """Whether checkpoints are collectives of a process group (several ranks, or one
+        sharded rank)."""
         self.train_policy: nn.Module = self.layout.wrap(policy)
         self.train_critic: nn.Module | None = (
             None if critic is None else self.layout.wrap(critic, compression=False)

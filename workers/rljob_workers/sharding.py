@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rljob_workers.config import GradientCompressionConfig, TrainerConfig
-from rljob_workers.ddp import wrap_ddp
+from rljob_workers.ddp import needs_process_group, wrap_ddp
 
 __all__ = [
     "COMPUTE_DTYPES",
@@ -74,7 +74,9 @@ class ShardingPlan:
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
         self.world_size = world_size
         self.device = torch.device(device)
-        self.fsdp = trainer.sharding == "fsdp" and world_size > 1 and dist.is_initialized()
+        self.fsdp = (
+            needs_process_group(trainer, world_size) and trainer.sharding == "fsdp"
+        ) and dist.is_initialized()
         self.ddp = trainer.sharding == "ddp" and world_size > 1
         self.cpu_offload = self.fsdp and trainer.cpu_offload
 

@@ -30,13 +30,12 @@ policy-lag samples), ``dropped`` (cumulative, by reason), ``duplicates``, ``acce
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,8 @@ from rljob_workers.checkpoint import (
 )
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, FileWatcher, stop_on_sigterm
-from rljob_workers.ddp import global_sum, init_process_group_from_env, leave_process_group
+from rljob_workers.ddp import global_sum, trainer_process_group
+from rljob_workers.export import export_trained_policy
 from rljob_workers.learner import Experience, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
@@ -205,6 +205,7 @@ class TrainerWorker:
         self.version = 0
         self.stop = threading.Event()  # set by SIGTERM: checkpoint and leave between steps
         self.last_checkpoint: str | None = None
+        self.exported_model: str | None = None
         self._resume()
         self._number_past_published()
         self.accounting = StalenessAccounting(config.staleness.max_versions)
@@ -242,6 +243,9 @@ class TrainerWorker:
         if stopping:
             self.checkpoint_now()
             return records
+        self.exported_model = export_trained_policy(
+            self.policy, self.config, step=self.step, writer=self.leader
+        )
         self.report_progress(done=True)
         return records
 
@@ -463,7 +467,7 @@ class TrainerWorker:
         every = self.config.checkpoint.every_steps
         if every <= 0 or (self.step % every and self.step != self.config.total_steps):
             return None
-        path = self._save_checkpoint(distributed=self.distributed)
+        path = self._save_checkpoint(distributed=self.learner.in_group)
         return str(path) if self.leader else None
 
     def _save_checkpoint(self, *, distributed: bool) -> Path:
@@ -489,14 +493,14 @@ class TrainerWorker:
             return
         found = resume_point(self.config.checkpoint.dir, named)
         check_same_checkpoint(
-            found, distributed=self.distributed, directory=self.config.checkpoint.dir
+            found, distributed=self.learner.in_group, directory=self.config.checkpoint.dir
         )
         if found is None:
             return
         chosen = str(found)
         modules, optimizers = self.learner.checkpoint_parts()
         state = load_checkpoint(
-            chosen, modules=modules, optimizers=optimizers, distributed=self.distributed
+            chosen, modules=modules, optimizers=optimizers, distributed=self.learner.in_group
         )
         self.step, self.version = state.step, state.policy_version
         self.last_checkpoint = chosen
@@ -549,6 +553,7 @@ class TrainerWorker:
                 buffer_age_seconds=finite_or_none(stats.get("buffer_age_s")),
                 dropped=stats.get("dropped", {}),
                 last_checkpoint=self.last_checkpoint,
+                exported_model=self.exported_model,
                 tokens_per_second=finite_or_none(last.get("tokens_per_s")),
                 reward_mean=finite_or_none(last.get("reward_mean")),
                 starving=self._starving,
@@ -577,30 +582,9 @@ def _format_step(record: dict[str, Any], total_steps: int) -> str:
     )
 
 
-@contextlib.contextmanager
-def _trainer_group(config: WorkerConfig, env: ProcessEnv) -> Iterator[None]:
-    """Join (and finally leave) the trainer group when there is more than one trainer."""
-    if env.world_size <= 1:
-        yield
-        return
-    init_process_group_from_env(
-        "nccl" if config.device == "cuda" else "gloo",
-        env={
-            "MASTER_ADDR": config.endpoints.trainer_host,
-            "MASTER_PORT": str(config.endpoints.rendezvous_port),
-            "RANK": str(env.rank),
-            "WORLD_SIZE": str(env.world_size),
-        },
-    )
-    try:
-        yield
-    finally:
-        leave_process_group()
-
-
 def run_trainer_process(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     """The trainer process: join the group, build, resume, train, report; return the records."""
-    with _trainer_group(config, env):
+    with trainer_process_group(config, env):
         # the worker (and its DDP reducer) lives only in _train's frame, so it is freed before
         # the group is left
         return _train(config, env)

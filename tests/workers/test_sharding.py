@@ -1,0 +1,318 @@
+"""The sharded trainer on the tiny Qwen2 (gloo, CPU).
+
+Aspects under test:
+- precision: fp32 master weights, the forward in bf16 (one step at lr 1e-6 moves the weights);
+  float16 refused;
+- micro-batches: packed under the token budget; the same loss and gradients as one minibatch;
+- fsdp vs ddp on 2 ranks: the same losses and parameters; per-rank state 1/2 (and 1/4 on 4
+  ranks) of ddp's;
+- sharded checkpoints: resume on 1 and 4 ranks from 2; a rank killed while saving; a
+  first-release checkpoint resumes into fsdp;
+- the exported Hugging Face model loads with transformers and scores like the policy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_model
+
+from rljob_workers.checkpoint import capture_rng_state, resume_point
+from rljob_workers.config import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    ModelConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TaskConfig,
+    TrainerConfig,
+    WorkerConfig,
+)
+from rljob_workers.export import export_checkpoint, export_policy
+from rljob_workers.learner import Experience, build_learner
+from rljob_workers.policy import build_sequence_batch, split_micro_batches
+from rljob_workers.sharding import local_state_bytes
+from rljob_workers.tinymodel import build_tiny_model
+from tests.workers.gloo_ranks import run_ranks
+
+RANKS_SCRIPT = str(Path(__file__).with_name("sharded_ranks.py"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0, num_layers=4)
+
+
+def _config(
+    model,
+    out: Path,
+    *,
+    dtype="float32",
+    lr=1e-3,
+    aggregation="token-mean",
+    micro_batch_tokens=None,
+    sharding="ddp",
+) -> WorkerConfig:
+    return WorkerConfig(
+        job_name="sharding-test",
+        topology="disaggregated",
+        algorithm=AlgorithmConfig(
+            name="grpo",
+            advantage_estimator="grpo",
+            learning_rate=lr,
+            group_size=2,
+            batch_size=4,
+            mini_batch_size=4,
+            max_grad_norm=1e6,
+            loss_aggregation=aggregation,
+        ),
+        model=ModelConfig(path=str(model), dtype=dtype),
+        task=TaskConfig(builtin="copy", num_prompts=16),
+        rollout=RolloutConfig(engine="hf", sampling=SamplingConfig(n=2, max_tokens=6)),
+        trainer=TrainerConfig(sharding=sharding, micro_batch_tokens=micro_batch_tokens),
+        checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every_steps=0),
+        output_dir=str(out),
+    )
+
+
+def _experience(seed: int, groups: int = 4) -> Experience:
+    from tests.workers.sharded_ranks import experience
+
+    del groups
+    return experience(seed, 0, 1)
+
+
+def _grads(learner) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in learner.policy.parameters()])
+
+
+# ---------------------------------------------------------------------------- precision
+
+
+def test_bf16_compute_one_step_at_lr_1e6_moves_99_percent_of_weights(tiny_model, tmp_path):
+    learner = build_learner(
+        _config(tiny_model, tmp_path, dtype="bfloat16", lr=1e-6), pad_id=0, rank=0, world_size=1
+    )
+    before = [p.detach().clone() for p in learner.policy.parameters()]
+
+    learner.update(_experience(0), seed=0)
+
+    moved = total = 0
+    for param, old in zip(learner.policy.parameters(), before, strict=True):
+        assert param.dtype == torch.float32  # the master copy
+        touched = param.grad != 0
+        moved += int((param.detach() != old)[touched].sum())
+        total += int(touched.sum())
+    assert total > 0
+    assert moved / total >= 0.99  # bf16 parameters stepped directly: about 2%
+
+
+def test_float16_compute_refused_naming_the_field(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match=r"spec\.model\.dtype: float16 .* use bfloat16"):
+        build_learner(
+            _config(tiny_model, tmp_path, dtype="float16"), pad_id=0, rank=0, world_size=1
+        )
+
+
+# ------------------------------------------------------------------------- micro-batches
+
+
+def test_split_micro_batches_packs_under_the_budget_and_covers_every_row_once():
+    prompts = [[1] * p for p in (3, 9, 2, 5, 7, 1)]
+    responses = [[2] * r for r in (4, 1, 6, 2, 3, 5)]
+    batch = build_sequence_batch(prompts, responses, pad_id=0)
+
+    parts = split_micro_batches(batch, token_budget=24)
+
+    rows = sorted(int(r) for part in parts for r in part)
+    assert rows == list(range(6))
+    for part in parts:
+        micro = batch.rows(part).compact()
+        if len(part) > 1:
+            assert micro.input_ids.numel() <= 24
+    assert len(parts) > 1
+    assert split_micro_batches(batch, None)[0].tolist() == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_micro_batches_give_the_minibatch_loss_and_gradients(tiny_model, tmp_path, aggregation):
+    results = []
+    for budget in (None, 12):
+        torch.manual_seed(0)
+        learner = build_learner(
+            _config(tiny_model, tmp_path, aggregation=aggregation, micro_batch_tokens=budget),
+            pad_id=0,
+            rank=0,
+            world_size=1,
+        )
+        metrics = learner.update(_experience(3), seed=0)
+        results.append((metrics, _grads(learner)))
+    (whole, whole_grads), (split, split_grads) = results
+    # float32 sums in another order: within 1e-5 relative
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    assert split["policy_loss"] == pytest.approx(whole["policy_loss"], rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(split_grads, whole_grads, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------ fsdp vs ddp
+
+
+def _write_config(tmp_path: Path, model: Path, **kwargs) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(_config(model, tmp_path, **kwargs).dump())
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def two_rank_layouts(tiny_model, tmp_path_factory):
+    out = {}
+    for sharding in ("ddp", "fsdp"):
+        folder = _write_config(tmp_path_factory.mktemp(sharding), tiny_model)
+        out[sharding] = run_ranks(
+            RANKS_SCRIPT, folder, sharding, world=2, args=("compare", sharding)
+        )
+    return out
+
+
+def test_fsdp_and_ddp_train_the_same_on_two_ranks(two_rank_layouts):
+    ddp, fsdp = two_rank_layouts["ddp"], two_rank_layouts["fsdp"]
+    # the same global losses step by step, and the same parameters after 3 AdamW steps
+    assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(fsdp[0]["params"], ddp[0]["params"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fsdp[1]["params"], fsdp[0]["params"])
+
+
+def _one_layer_bytes(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    h, i = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = h // heads
+    params = 2 * h * h + 2 * h * kv * head_dim + 3 * h * i + 2 * h + h + 2 * kv * head_dim
+    return 4 * params * 4  # fp32 parameter + gradient + two AdamW moments
+
+
+def test_fsdp_rank_holds_half_of_ddp_state_on_two_ranks(two_rank_layouts, tiny_model):
+    ddp = sum(two_rank_layouts["ddp"][0]["state"].values())
+    for rank in two_rank_layouts["fsdp"]:
+        sharded = sum(rank["state"].values())
+        assert abs(sharded - ddp / 2) <= _one_layer_bytes(tiny_model)
+
+
+def test_fsdp_rank_holds_a_quarter_of_the_state_on_four_ranks(tiny_model, tmp_path):
+    folder = _write_config(tmp_path, tiny_model)
+    ranks = run_ranks(RANKS_SCRIPT, folder, "fsdp x4", world=4, args=("compare", "fsdp"))
+    learner = build_learner(_config(tiny_model, tmp_path), pad_id=0, rank=0, world_size=1)
+    learner.update(_experience(0), seed=0)
+    full = sum(local_state_bytes([learner.policy], [learner.optimizer]).values())
+    for rank in ranks:
+        assert abs(sum(rank["state"].values()) - full / 4) <= _one_layer_bytes(tiny_model)
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tiny_model, tmp_path_factory):
+    folder = _write_config(tmp_path_factory.mktemp("reshard"), tiny_model)
+    ranks = run_ranks(RANKS_SCRIPT, folder, "fsdp save", world=2, args=("save", "fsdp"))
+    return folder, ranks[0]["next_loss"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_sharded_checkpoint_resumes_on_another_rank_count(saved_on_two_ranks, world):
+    folder, uninterrupted = saved_on_two_ranks
+    for stale in folder.glob("rank*.pt"):
+        stale.unlink()
+    ranks = run_ranks(
+        RANKS_SCRIPT, folder, f"resume x{world}", world=world, args=("resume", "fsdp")
+    )
+    # the next step's loss of the uninterrupted 2-rank run, within float32 reduction order
+    assert ranks[0]["next_loss"] == pytest.approx(uninterrupted, rel=1e-4, abs=1e-6)
+
+
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tiny_model, tmp_path):
+    folder = _write_config(tmp_path, tiny_model)
+    codes = run_ranks(
+        RANKS_SCRIPT,
+        folder,
+        "kill during save",
+        world=2,
+        args=("kill-save", "fsdp"),
+        expect_success=False,
+    )
+    assert codes[1] == 9 and codes[0] != 0
+    assert resume_point(folder / "ckpt") == folder / "ckpt" / "step-00000001"
+    assert not (folder / "ckpt" / "step-00000002").exists()
+
+
+def _first_release_checkpoint(model: Path, out: Path) -> torch.Tensor:
+    """A checkpoint as the first release wrote it (full safetensors, pickled optimizer and RNG)."""
+    learner = build_learner(_config(model, out), pad_id=0, rank=0, world_size=1)
+    learner.update(_experience(0), seed=0)
+    folder = out / "first-release" / "step-00000001"
+    folder.mkdir(parents=True)
+    save_model(learner.policy, str(folder / "policy.safetensors"))
+    torch.save(learner.optimizer.state_dict(), folder / "optim-policy.pt")
+    torch.save(capture_rng_state(), folder / "rng.pt")
+    (folder / "state.json").write_text(json.dumps({"step": 1, "policy_version": 1}))
+    return torch.cat([t.reshape(-1) for _, t in learner.policy.named_weights()])
+
+
+def test_first_release_checkpoint_resumes_into_fsdp(tiny_model, tmp_path):
+    folder = _write_config(tmp_path, tiny_model)
+    expected = _first_release_checkpoint(tiny_model, tmp_path)
+    ranks = run_ranks(
+        RANKS_SCRIPT, folder, "first release", world=2, args=("load-first-release", "fsdp")
+    )
+    torch.testing.assert_close(ranks[0]["params"], expected)
+    assert ranks[0]["next_loss"] == ranks[1]["next_loss"]
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def _logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits
+
+
+def test_exported_model_loads_with_transformers_and_scores_like_the_policy(
+    tiny_model, tmp_path, saved_on_two_ranks
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    learner = build_learner(_config(tiny_model, tmp_path), pad_id=0, rank=0, world_size=1)
+    learner.update(_experience(0), seed=0)
+    out = export_policy(
+        learner.policy.named_weights(),
+        tmp_path / "hf",
+        base_model=tiny_model,
+        writer=True,
+        shard_bytes=64 * 1024,
+    )
+    assert out is not None
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # sharded by size
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    AutoTokenizer.from_pretrained(out, local_files_only=True)
+    batch = build_sequence_batch([[1, 5, 6]], [[8, 9]], pad_id=0)
+    torch.testing.assert_close(_logits(loaded, batch), _logits(learner.policy.model, batch))
+
+    # the same from a sharded checkpoint on disk, read tensor by tensor
+    folder, _ = saved_on_two_ranks
+    from_disk = export_checkpoint(folder / "ckpt", tmp_path / "hf-ckpt", base_model=tiny_model)
+    reloaded = AutoModelForCausalLM.from_pretrained(from_disk, local_files_only=True)
+    assert _logits(reloaded, batch).shape == _logits(loaded, batch).shape
+    assert not torch.equal(
+        _logits(reloaded, batch),
+        _logits(AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True), batch),
+    )
