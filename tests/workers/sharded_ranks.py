@@ -69,6 +69,16 @@ def main(out: Path, scenario: str, sharding: str = "fsdp") -> None:
     config = config.model_copy(update={"trainer": trainer})
     if world > 1:
         init_process_group_from_env("gloo", timeout_s=60)
+    # the learner lives only in run_scenario's frame: freed before the group is left
+    result = run_scenario(config, out, scenario, rank, world)
+    if world > 1:
+        leave_process_group()
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+def run_scenario(
+    config: WorkerConfig, out: Path, scenario: str, rank: int, world: int
+) -> dict[str, Any]:
     result: dict[str, Any] = {}
     learner = build_learner(config, pad_id=0, rank=rank, world_size=world)
     modules, optimizers = learner.checkpoint_parts()
@@ -122,10 +132,7 @@ def main(out: Path, scenario: str, sharding: str = "fsdp") -> None:
         result["next_loss"] = step(learner, 1)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    del learner, modules, optimizers
-    if world > 1:
-        leave_process_group()
-    torch.save(result, out / f"rank{rank}.pt")
+    return result
 
 
 if __name__ == "__main__":

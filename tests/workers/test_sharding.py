@@ -56,13 +56,19 @@ def _config(
     aggregation="token-mean",
     micro_batch_tokens=None,
     sharding="ddp",
+    checkpointing=False,
+    ppo=False,
 ) -> WorkerConfig:
+    algorithm = (
+        {"name": "ppo", "advantage_estimator": "gae", "kl_coef": 0.1}
+        if ppo
+        else {"name": "grpo", "advantage_estimator": "grpo"}
+    )
     return WorkerConfig(
         job_name="sharding-test",
         topology="disaggregated",
         algorithm=AlgorithmConfig(
-            name="grpo",
-            advantage_estimator="grpo",
+            **algorithm,
             learning_rate=lr,
             group_size=2,
             batch_size=4,
@@ -73,7 +79,11 @@ def _config(
         model=ModelConfig(path=str(model), dtype=dtype),
         task=TaskConfig(builtin="copy", num_prompts=16),
         rollout=RolloutConfig(engine="hf", sampling=SamplingConfig(n=2, max_tokens=6)),
-        trainer=TrainerConfig(sharding=sharding, micro_batch_tokens=micro_batch_tokens),
+        trainer=TrainerConfig(
+            sharding=sharding,
+            micro_batch_tokens=micro_batch_tokens,
+            gradient_checkpointing=checkpointing,
+        ),
         checkpoint=CheckpointConfig(dir=str(out / "ckpt"), every_steps=0),
         output_dir=str(out),
     )
@@ -188,6 +198,25 @@ def test_fsdp_and_ddp_train_the_same_on_two_ranks(two_rank_layouts):
     torch.testing.assert_close(fsdp[1]["params"], fsdp[0]["params"])
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [{"checkpointing": True}, {"ppo": True, "micro_batch_tokens": 16}],
+    ids=["gradient-checkpointing", "ppo-critic-reference-micro-batches"],
+)
+def test_fsdp_matches_ddp_with_checkpointing_and_with_critic_and_reference(
+    tiny_model, tmp_path, variant
+):
+    results = {}
+    for sharding in ("ddp", "fsdp"):
+        folder = _write_config(tmp_path / sharding, tiny_model, **variant)
+        results[sharding] = run_ranks(
+            RANKS_SCRIPT, folder, sharding, world=2, args=("compare", sharding)
+        )
+    ddp, fsdp = results["ddp"][0], results["fsdp"][0]
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(fsdp["params"], ddp["params"], rtol=1e-4, atol=1e-5)
+
+
 def _one_layer_bytes(model: Path) -> int:
     config = json.loads((model / "config.json").read_text())
     h, i = config["hidden_size"], config["intermediate_size"]
@@ -204,14 +233,50 @@ def test_fsdp_rank_holds_half_of_ddp_state_on_two_ranks(two_rank_layouts, tiny_m
         assert abs(sharded - ddp / 2) <= _one_layer_bytes(tiny_model)
 
 
-def test_fsdp_rank_holds_a_quarter_of_the_state_on_four_ranks(tiny_model, tmp_path):
-    folder = _write_config(tmp_path, tiny_model)
-    ranks = run_ranks(RANKS_SCRIPT, folder, "fsdp x4", world=4, args=("compare", "fsdp"))
-    learner = build_learner(_config(tiny_model, tmp_path), pad_id=0, rank=0, world_size=1)
+@pytest.fixture(scope="module")
+def four_rank_fsdp(tiny_model, tmp_path_factory):
+    folder = _write_config(tmp_path_factory.mktemp("fsdp4"), tiny_model)
+    return run_ranks(RANKS_SCRIPT, folder, "fsdp x4", world=4, args=("compare", "fsdp"))
+
+
+@pytest.fixture(scope="module")
+def one_rank_state(tiny_model, tmp_path_factory):
+    learner = build_learner(
+        _config(tiny_model, tmp_path_factory.mktemp("one")), pad_id=0, rank=0, world_size=1
+    )
     learner.update(_experience(0), seed=0)
-    full = sum(local_state_bytes([learner.policy], [learner.optimizer]).values())
-    for rank in ranks:
+    return local_state_bytes([learner.policy], [learner.optimizer])
+
+
+def test_fsdp_rank_holds_a_quarter_of_the_state_on_four_ranks(
+    four_rank_fsdp, one_rank_state, tiny_model
+):
+    full = sum(one_rank_state.values())
+    for rank in four_rank_fsdp:
         assert abs(sum(rank["state"].values()) - full / 4) <= _one_layer_bytes(tiny_model)
+
+
+def test_plan_state_estimate_within_10_percent_of_measured_on_1_2_4_ranks(
+    tiny_model, one_rank_state, two_rank_layouts, four_rank_fsdp
+):
+    from rljob_operator.plan import ModelShape, model_state_bytes
+
+    shape = ModelShape.from_config(
+        json.loads((tiny_model / "config.json").read_text()), source="tiny"
+    )
+    measured = {
+        1: [one_rank_state],
+        2: [r["state"] for r in two_rank_layouts["fsdp"]],
+        4: [r["state"] for r in four_rank_fsdp],
+    }
+    for world, ranks in measured.items():
+        estimate = sum(
+            model_state_bytes(
+                shape.parameters(), world=world, sharded=world > 1, trainable=True, dtype_bytes=2
+            ).values()
+        )
+        for state in ranks:
+            assert abs(sum(state.values()) - estimate) <= 0.10 * estimate, (world, state)
 
 
 # ------------------------------------------------------------------------ checkpoints
@@ -316,3 +381,23 @@ def test_exported_model_loads_with_transformers_and_scores_like_the_policy(
         _logits(reloaded, batch),
         _logits(AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True), batch),
     )
+
+
+@pytest.mark.slow
+def test_exported_model_loads_in_vllm_and_generates_like_transformers(tiny_model, tmp_path):
+    from rljob_workers.engine import make_engine
+    from rljob_workers.engine.hf import HFEngine
+
+    learner = build_learner(_config(tiny_model, tmp_path, lr=1e-2), pad_id=0, rank=0, world_size=1)
+    learner.update(_experience(0), seed=0)
+    out = export_policy(
+        learner.policy.named_weights(), tmp_path / "hf", base_model=tiny_model, writer=True
+    )
+    prompts = ["copy:7=", "3+4=", "next:3="]
+    engine = make_engine("vllm", out, seed=0, max_model_len=64)
+    try:
+        fast = engine.generate(prompts, temperature=0, max_tokens=6)
+    finally:
+        engine.close()
+    reference = HFEngine(out, seed=0).generate(prompts, temperature=0, max_tokens=6)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in reference]
