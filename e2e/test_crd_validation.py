@@ -1,20 +1,25 @@
 """The API server itself rejects bad RLJobs (schema + CEL in the generated CRD): aspects under test
 
 - each invalid spec is refused by ``kubectl apply`` with a message naming the field; the
-  sharding and precision rules (powerSGD needs ddp, cpuOffload needs fsdp, no float16 training)
-  with exactly the message the operator's pydantic twin gives;
-- the examples are accepted, and defaults are filled in by the API server.
+  sharding and precision rules (powerSGD not with an explicit fsdp, cpuOffload not with ddp, set
+  or resolved from powerSGD, no float16 training) with exactly the message the operator's
+  pydantic twin gives;
+- a powerSGD job without trainer.sharding (as stored before the field) is accepted and stays
+  without it: the unset field resolves to ddp;
+- the examples are accepted, and defaults are filled in by the API server (trainer.sharding has
+  none: unset resolves in the operator).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 import yaml
 
 from e2e.cluster import REPO, LocalCluster
-from rljob_operator.api import SpecError, parse_rljob
+from rljob_operator.api import SpecError, parse_rljob, resolve_sharding
 
 pytestmark = pytest.mark.cluster
 
@@ -91,13 +96,27 @@ def test_fractional_gpu_count_is_rejected(cluster: LocalCluster, crd: None) -> N
     ("patch", "field"),
     [
         (
-            {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+            {
+                "trainer": {
+                    "sharding": "fsdp",
+                    "gradientCompression": {"type": "powerSGD", "rank": 4},
+                }
+            },
             "gradientCompression",
         ),
         ({"trainer": {"sharding": "ddp", "cpuOffload": True}}, "cpuOffload"),
+        (
+            {
+                "trainer": {
+                    "cpuOffload": True,
+                    "gradientCompression": {"type": "powerSGD", "rank": 4},
+                }
+            },
+            "cpuOffload",
+        ),
         ({"model": {"dtype": "float16"}}, "dtype"),
     ],
-    ids=["powersgd-fsdp", "offload-ddp", "float16"],
+    ids=["powersgd-fsdp", "offload-ddp", "offload-powersgd-unset", "float16"],
 )
 def test_sharding_and_precision_rules_refused_with_the_operators_message(
     cluster: LocalCluster, crd: None, patch: dict[str, Any], field: str
@@ -112,6 +131,27 @@ def test_sharding_and_precision_rules_refused_with_the_operators_message(
     rc, out = apply(cluster, obj)
     assert rc != 0
     assert message in out, out
+
+
+def test_powersgd_without_sharding_is_accepted_and_stays_unset(
+    cluster: LocalCluster, crd: None
+) -> None:
+    obj = example()
+    obj["spec"]["trainer"]["gradientCompression"] = {"type": "powerSGD", "rank": 4}
+    out = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        "default",
+        "-o",
+        "json",  # YAML would turn 1e-05 into a string
+        "-f",
+        "-",
+        input=yaml.safe_dump(obj),
+    )
+    applied = json.loads(out.stdout)
+    assert "sharding" not in applied["spec"]["trainer"]
+    assert resolve_sharding(parse_rljob(applied).spec.trainer) == "ddp"
 
 
 def test_examples_are_accepted_and_defaulted(cluster: LocalCluster, crd: None) -> None:
@@ -129,6 +169,6 @@ def test_examples_are_accepted_and_defaulted(cluster: LocalCluster, crd: None) -
         applied = yaml.safe_load(out.stdout)
         assert applied["spec"]["buffer"]["maxAgeSeconds"] == 7200, name
         assert applied["spec"]["degrade"]["maxPolicyLagMs"] > 0, name
-        assert applied["spec"]["trainer"]["sharding"] == "fsdp", name
+        assert "sharding" not in applied["spec"]["trainer"], name  # resolved by the operator
         assert applied["spec"]["trainer"]["microBatchTokens"] == 16384, name
         assert applied["spec"]["weightSync"]["bucketMiB"] == 256, name

@@ -7,7 +7,9 @@
   the two-version CRD with its conversion webhook, rewrites every RLJob in v1beta1 and trims
   ``status.storedVersions`` to ``[v1beta1]``;
 - no pod is replaced (same UIDs, same config hashes), every job keeps its status, and both
-  ``rljobs.v1alpha1.rljob.io`` and ``rljobs.v1beta1.rljob.io`` list every job.
+  ``rljobs.v1alpha1.rljob.io`` and ``rljobs.v1beta1.rljob.io`` list every job;
+- a job with ``gradientCompression.type: powerSGD`` (stored without ``trainer.sharding``) stays
+  valid and Running: its unset sharding resolves to ddp, rendered into its worker config.
 
 Runs on its own control plane (the session's CRD is already v1beta1).
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from e2e.cluster import REPO, LocalCluster, cache_dir
 from e2e.helpers import get_json, wait_for
@@ -31,6 +34,8 @@ from tests import previous_release
 
 pytestmark = pytest.mark.cluster
 EXAMPLES = {"grpo-colocated": 2, "ppo-colocated": 2, "dapo-disaggregated": 4}
+POWERSGD = "grpo-powersgd"  # grpo-colocated with powerSGD compression
+JOBS = {**EXAMPLES, POWERSGD: 2}
 NS = "upgrade"
 RESTART_REASONS = ("RollingRestart", "GroupRestart", "RolloutReplaced", "WorkerSchemaMismatch")
 
@@ -88,11 +93,15 @@ def test_upgrade_from_previous_release_keeps_jobs_running(
     cluster.kubectl("create", "namespace", NS)
     for example in EXAMPLES:
         cluster.kubectl("apply", "-n", NS, "-f", str(old_tree / "examples" / f"{example}.yaml"))
+    powersgd = yaml.safe_load((old_tree / "examples" / "grpo-colocated.yaml").read_text())
+    powersgd["metadata"]["name"] = POWERSGD
+    powersgd["spec"]["trainer"]["gradientCompression"] = {"type": "powerSGD", "rank": 4}
+    cluster.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(powersgd))
 
     def all_running() -> bool:
         running = [p for p in pods(cluster).values() if p["status"].get("phase") == "Running"]
         phases = [j.get("status", {}).get("phase") for j in jobs(cluster, "v1alpha1")]
-        return len(running) == sum(EXAMPLES.values()) and phases == ["Running"] * 3
+        return len(running) == sum(JOBS.values()) and phases == ["Running"] * len(JOBS)
 
     wait_for(all_running, 120, "every example Running under the previous release")
     beat = Progress(role="actor", replica=0, time=1.0, step=5, policy_version=5)
@@ -122,7 +131,7 @@ def test_upgrade_from_previous_release_keeps_jobs_running(
             for m in maps
             if m["metadata"]["name"].endswith("-config")
         }
-        return versions == {f"{e}-config": str(SCHEMA_VERSION) for e in EXAMPLES}
+        return versions == {f"{e}-config": str(SCHEMA_VERSION) for e in JOBS}
 
     try:
         wait_for(reconciled, 60, "the new operator's pass over every job")
@@ -142,10 +151,13 @@ def test_upgrade_from_previous_release_keeps_jobs_running(
     assert status(cluster, "grpo-colocated")["step"] == 6
     for version in ("v1alpha1", "v1beta1"):
         listed = {j["metadata"]["name"]: j for j in jobs(cluster, version)}
-        assert set(listed) == set(EXAMPLES), version
+        assert set(listed) == set(JOBS), version
         for name, job in listed.items():
             for key in ("phase", "resolvedTopology", "startTime"):
                 assert job["status"].get(key) == statuses[name].get(key), (version, name, key)
+    config = get_json(cluster, "configmap", f"{POWERSGD}-config", "-n", NS)
+    assert json.loads(config["data"]["config.json"])["trainer"]["sharding"] == "ddp"
+    assert "sharding" not in get_json(cluster, "rljob", POWERSGD, "-n", NS)["spec"]["trainer"]
     new.kill(signal.SIGTERM)
     print(f"storedVersions before {before_stored}, after {stored(cluster)}; {len(after)} pods kept")
 

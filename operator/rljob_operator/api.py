@@ -792,8 +792,23 @@ MICRO_BATCH_TOKENS = 16384
 """Default token budget of one trainer forward/backward (spec.trainer.microBatchTokens)."""
 
 
-def _powersgd_needs_ddp(t: JsonObject) -> bool:
-    return t.get("sharding") != "fsdp" or t.get("gradientCompression", {}).get("type") != "powerSGD"
+def _powersgd(t: JsonObject) -> bool:
+    return bool(t.get("gradientCompression", {}).get("type") == "powerSGD")
+
+
+def _sharding_of(t: JsonObject) -> str:
+    """``resolve_sharding`` on the camelCase JSON the CEL rules see."""
+    sharding = t.get("sharding")
+    if sharding is not None:
+        return str(sharding)
+    return default_sharding(t.get("gradientCompression", {}).get("type", "none"))
+
+
+_POWERSGD_CEL = (
+    "(has(self.gradientCompression) && has(self.gradientCompression.type) && "
+    "self.gradientCompression.type == 'powerSGD')"
+)
+_SHARDING_CEL = f"(has(self.sharding) ? self.sharding : ({_POWERSGD_CEL} ? 'ddp' : 'fsdp'))"
 
 
 class Trainer(SpecModel):
@@ -823,12 +838,13 @@ class Trainer(SpecModel):
         description="Recompute activations in the backward pass: less memory, ~30% more compute. "
         "Recommended on GPUs with less than 80 GB.",
     )
-    sharding: Sharding = Field(
-        "fsdp",
+    sharding: Sharding | None = Field(
+        None,
         description="fsdp: FSDP2 shards parameters, gradients and AdamW state over all trainer "
         "ranks (per decoder layer, then the root), so per-rank memory falls with the rank "
         "count. ddp: every rank keeps a full replica of all three (the only mode of earlier "
-        "releases; needed for gradientCompression powerSGD).",
+        "releases; needed for gradientCompression powerSGD). Unset: ddp with "
+        "gradientCompression.type powerSGD, fsdp otherwise.",
     )
     reshard_after_forward: bool = Field(
         True,
@@ -840,7 +856,8 @@ class Trainer(SpecModel):
         False,
         description="fsdp only: keep the sharded parameters, gradients and AdamW state in host "
         "memory (FSDP2's CPU offload policy; the optimizer step runs on the CPU), to fit a large "
-        "model on few GPUs at the cost of speed.",
+        "model on few GPUs at the cost of speed. Applies to a single trainer rank too (FSDP2 "
+        "over a group of one), so one GPU can train a model whose fp32 state it cannot hold.",
     )
     micro_batch_tokens: int = Field(
         MICRO_BATCH_TOKENS,
@@ -855,22 +872,20 @@ class Trainer(SpecModel):
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         _no_gpu_in_resources("trainer"),
         CelRule(
-            rule="!has(self.sharding) || self.sharding != 'fsdp' || "
-            "!has(self.gradientCompression) || !has(self.gradientCompression.type) || "
-            "self.gradientCompression.type != 'powerSGD'",
+            rule=f"!has(self.sharding) || self.sharding != 'fsdp' || !{_POWERSGD_CEL}",
             message="spec.trainer.gradientCompression.type: powerSGD is a DDP communication hook; "
             "with spec.trainer.sharding fsdp use none, fp16 or bf16 (FSDP2's reduce dtype), or "
-            "set spec.trainer.sharding: ddp",
-            holds=_powersgd_needs_ddp,
+            "set spec.trainer.sharding: ddp (or leave it unset: ddp with powerSGD)",
+            holds=lambda t: t.get("sharding") != "fsdp" or not _powersgd(t),
             field_path=".gradientCompression.type",
         ),
         CelRule(
-            rule="!has(self.cpuOffload) || !self.cpuOffload || !has(self.sharding) || "
-            "self.sharding != 'ddp'",
+            rule=f"!has(self.cpuOffload) || !self.cpuOffload || {_SHARDING_CEL} != 'ddp'",
             message="spec.trainer.cpuOffload: CPU offload is an FSDP2 policy; with "
-            "spec.trainer.sharding ddp every rank keeps a full replica on its device, so set "
-            "spec.trainer.sharding: fsdp or remove cpuOffload",
-            holds=lambda t: not t.get("cpuOffload", False) or t.get("sharding") != "ddp",
+            "spec.trainer.sharding ddp (set, or unset with gradientCompression.type powerSGD) "
+            "every rank keeps a full replica on its device, so remove cpuOffload, or set "
+            "spec.trainer.sharding: fsdp with gradientCompression.type none, fp16 or bf16",
+            holds=lambda t: not t.get("cpuOffload", False) or _sharding_of(t) != "ddp",
             field_path=".cpuOffload",
         ),
     )
@@ -1547,6 +1562,14 @@ class RLJobStatus(StatusModel):
     )
     restarts: Restarts = Field(default_factory=Restarts, description="Restarts per role.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest checkpoint.")
+    exported_model: str | None = Field(
+        None,
+        max_length=_PATH_MAX,
+        description="The Hugging Face model directory (config, safetensors shards, tokenizer) "
+        "written when the job succeeded, on the checkpoint volume under spec.checkpoint.path; "
+        "load it with AutoModelForCausalLM.from_pretrained or vLLM. Unset with "
+        "spec.checkpoint.ephemeral (deleted with the pods).",
+    )
     start_time: AwareDatetime | None = Field(None, description="When the job started running.")
     completion_time: AwareDatetime | None = Field(
         None, description="When the job Succeeded or Failed."
@@ -1926,6 +1949,20 @@ def responses_per_prompt(spec: RLJobSpec) -> int:
     if spec.rollout.sampling.n is not None:
         return spec.rollout.sampling.n
     return 1 if resolve_advantage_estimator(spec.algorithm) == "gae" else spec.algorithm.group_size
+
+
+def default_sharding(gradient_compression_type: str) -> Sharding:
+    """What an unset ``trainer.sharding`` means: ddp with gradientCompression powerSGD (a DDP
+    communication hook; a job stored before the field existed keeps validating and running as
+    it did), fsdp otherwise."""
+    return "ddp" if gradient_compression_type == "powerSGD" else "fsdp"
+
+
+def resolve_sharding(trainer: Trainer) -> Sharding:
+    """``trainer.sharding``, or its default (``default_sharding``)."""
+    if trainer.sharding is not None:
+        return trainer.sharding
+    return default_sharding(trainer.gradient_compression.type)
 
 
 def resolve_weight_sync_method(spec: RLJobSpec, topology: ResolvedTopology) -> WeightSyncMethod:

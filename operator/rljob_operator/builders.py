@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,11 +21,13 @@ from rljob_operator.api import (
     PodTemplateOverrides,
     RLJob,
     RLJobSpec,
+    default_sharding,
     resolve_advantage_estimator,
     resolve_clip_ratio_high,
     resolve_dynamic_sampling,
     resolve_loss_aggregation,
     resolve_overlong,
+    resolve_sharding,
     resolve_weight_sync_method,
     responses_per_prompt,
 )
@@ -281,7 +283,7 @@ def build_worker_config(
                 rank=spec.trainer.gradient_compression.rank or 1,
             ),
             gradient_checkpointing=spec.trainer.gradient_checkpointing,
-            sharding=spec.trainer.sharding,
+            sharding=resolve_sharding(spec.trainer),
             reshard_after_forward=spec.trainer.reshard_after_forward,
             cpu_offload=spec.trainer.cpu_offload,
             micro_batch_tokens=spec.trainer.micro_batch_tokens,
@@ -326,21 +328,37 @@ DISABLED_OVERLONG = {"enabled": False, "max_length": 1024, "cache_length": 256}
 """How the hash sees a disabled overlong buffer, whatever lengths it carries: they do nothing,
 and these are the lengths the first release rendered (its spec defaults), so pods it started keep
 their hash (``e2e/test_upgrade.py``)."""
+
+
+@dataclass(frozen=True)
+class FromConfig:
+    """A ``HASH_NEUTRAL`` value that depends on the rest of the rendered config."""
+
+    of: Callable[[WorkerConfig], object]
+
+
 HASH_NEUTRAL: dict[str, object] = {
-    "trainer.sharding": "fsdp",
+    "trainer.sharding": FromConfig(lambda c: default_sharding(c.trainer.gradient_compression.type)),
     "trainer.reshard_after_forward": True,
     "trainer.cpu_offload": False,
     "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
 }
 """Worker-config fields added after the first release, by dotted path, with the value a job
-stored before the field existed renders now (the spec default the API server fills in when it
-reads the job): the hash leaves a field out while it holds that value, so upgrading the operator
-restarts no pod. Where that value means something new (``trainer.sharding`` fsdp: the previous
-release always ran ddp, one micro-batch per minibatch), running pods keep the old behaviour until
-their next restart, which resumes their checkpoint under the new meaning; setting the field to
-any other value (``sharding: ddp``) moves the hash and restarts them. Add an entry with every
-such field (``tests/operator/test_restart_hash.py`` checks that the first release's fields are
-all the hash covers)."""
+stored before the field existed renders now (the spec default, or what an unset field resolves
+to, ``FromConfig``): the hash leaves a field out while it holds that value, so upgrading the
+operator restarts no pod. ``trainer.sharding`` unset resolves to ddp with powerSGD (as that
+job ran) and to fsdp otherwise; where fsdp means something new (the previous release always ran
+ddp, one micro-batch per minibatch), running pods keep the old behaviour until their next
+restart, which resumes their checkpoint under the new meaning; setting the field to any other
+value (``sharding: ddp``) moves the hash and restarts them. Add an entry with every such field
+(``tests/operator/test_restart_hash.py`` checks that the first release's fields are all the hash
+covers)."""
+
+
+def hash_neutral_value(path: str, config: WorkerConfig) -> object:
+    """The value of ``HASH_NEUTRAL[path]`` for ``config``."""
+    neutral = HASH_NEUTRAL[path]
+    return neutral.of(config) if isinstance(neutral, FromConfig) else neutral
 
 
 def restart_hash(config: WorkerConfig) -> str:
@@ -355,10 +373,14 @@ def restart_hash(config: WorkerConfig) -> str:
         _pop_path(data, section)
     if not config.algorithm.overlong.enabled:
         data["algorithm"]["overlong"] = dict(DISABLED_OVERLONG)
-    for path, neutral in HASH_NEUTRAL.items():
+    for path in HASH_NEUTRAL:
         parent = _dig_path(data, path.rpartition(".")[0])
         leaf = path.rpartition(".")[2]
-        if isinstance(parent, dict) and leaf in parent and parent[leaf] == neutral:
+        if (
+            isinstance(parent, dict)
+            and leaf in parent
+            and parent[leaf] == hash_neutral_value(path, config)
+        ):
             del parent[leaf]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -3,7 +3,9 @@
 ``rljob-operator`` (or ``python -m rljob_operator``) runs the controller, cluster-wide or in
 given namespaces, with a liveness endpoint and a Prometheus endpoint. ``rljob`` runs jobs locally
 (``rljob run job.yaml --local``) or on the cluster of the current kubeconfig context
-(``rljob run job.yaml``: apply, then follow to the end) and prints the CRD (``rljob crd``).
+(``rljob run job.yaml``: apply, then follow to the end), plans them (``rljob plan``), turns a
+trainer checkpoint into a Hugging Face model directory (``rljob export``) and prints the CRD
+(``rljob crd``).
 """
 
 from __future__ import annotations
@@ -373,6 +375,72 @@ def plan_main(args: argparse.Namespace) -> int:
     return 1 if plan.verdict == "does-not-fit" else 0
 
 
+def _add_export_parser(sub: Any) -> None:
+    export = sub.add_parser(
+        "export",
+        help="write a trainer checkpoint as a Hugging Face model directory (config, safetensors "
+        "shards, tokenizer)",
+    )
+    export.add_argument(
+        "checkpoint",
+        help="a checkpoint folder (<root>/step-NNNNNNNN), or the checkpoint root "
+        "(spec.checkpoint.path): its newest complete checkpoint",
+    )
+    export.add_argument(
+        "--model",
+        required=True,
+        help="the job's base model folder (spec.model.path): its config and tokenizer are copied",
+    )
+    export.add_argument("--out", required=True, help="output folder of the Hugging Face model")
+    export.add_argument(
+        "--shard-size-mib",
+        type=int,
+        default=2048,
+        help="largest safetensors shard in MiB (default 2048)",
+    )
+
+
+def export_main(args: argparse.Namespace) -> int:
+    """``rljob export``: 0 with the output folder printed (stdout), 2 when there is nothing to
+    export, the export fails or an argument is wrong (the message names it, on stderr)."""
+    from pathlib import Path
+
+    def fail(message: str) -> int:
+        print(f"rljob export: {message}", file=sys.stderr)
+        return 2
+
+    if args.shard_size_mib < 1:
+        return fail(f"--shard-size-mib: {args.shard_size_mib} is not a positive number of MiB")
+    if not (Path(args.model) / "config.json").is_file():
+        return fail(f"--model: {args.model} has no config.json; give the job's base model folder")
+    # torch is heavy: imported only for this command
+    from rljob_workers.checkpoint import STATE_FILE, latest_checkpoint
+    from rljob_workers.export import export_checkpoint
+
+    checkpoint = Path(args.checkpoint)
+    if not (checkpoint / STATE_FILE).is_file():
+        newest = latest_checkpoint(checkpoint)
+        if newest is None:
+            return fail(
+                f"{checkpoint}: neither a complete checkpoint (no {STATE_FILE}) nor a checkpoint "
+                "root holding one (step-NNNNNNNN folders); give spec.checkpoint.path or one of "
+                "its step folders"
+            )
+        print(f"rljob export: the newest complete checkpoint is {newest}", file=sys.stderr)
+        checkpoint = newest
+    try:
+        out = export_checkpoint(
+            str(checkpoint),
+            args.out,
+            base_model=args.model,
+            shard_bytes=args.shard_size_mib * 2**20,
+        )
+    except (OSError, ValueError) as exc:
+        return fail(f"{checkpoint}: {exc}")
+    print(out)
+    return 0
+
+
 def _committed_matrix() -> Any:
     from pathlib import Path
 
@@ -414,10 +482,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "path points, if nothing is there yet",
     )
     _add_plan_parser(sub)
+    _add_export_parser(sub)
     sub.add_parser("crd", help="print the generated CustomResourceDefinition")
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_main(args)
+    if args.command == "export":
+        return export_main(args)
     if args.command == "crd":
         from rljob_operator.crdgen import render_crd
 

@@ -8,8 +8,9 @@ Pure (no client, no clock, no file reads): the CLI reads the manifest, the model
 - ``estimate_rank_memory``: memory per rank, i.e. per GPU (never a pod's GPUs summed), modelled
   on what the trainer does: fp32 master parameters, fp32 gradients and two fp32 AdamW moments
   whatever ``model.dtype`` (the compute dtype), full on every rank under ddp or 1/world under
-  fsdp (in host memory with cpuOffload); FSDP's gathered compute-dtype parameters (two decoder
-  layers and the root, or the whole model without reshardAfterForward) and unsharded gradients;
+  fsdp (in host memory with cpuOffload, also on a single rank); FSDP's gathered compute-dtype
+  parameters (two decoder layers and the root, or the whole model without reshardAfterForward)
+  and unsharded gradients;
   the reference (klCoef > 0) in the compute dtype, sharded like the policy; the critic (gae) like
   the policy; the activations of the largest micro-batch (``microBatchTokens``) with one chunk of
   ``LOGIT_CHUNK_TOKENS`` tokens of fp32 logits, with and without gradient checkpointing; the
@@ -35,6 +36,7 @@ from rljob_operator.api import (
     RLJobSpec,
     is_on_policy,
     resolve_advantage_estimator,
+    resolve_sharding,
     resolve_topology,
     responses_per_prompt,
 )
@@ -164,9 +166,10 @@ LOGIT_CHUNK_COPIES = 3
 FSDP_GATHERED_LAYERS = 2
 """Decoder layers whose full parameters FSDP holds at once with reshardAfterForward: the current
 one and the prefetched next one."""
-DDP_GRADIENT_BUCKETS = True
-"""DDP keeps its own flat copy of the gradients in its all-reduce buckets (the trainer does not
-set ``gradient_as_bucket_view``): 4 more bytes per parameter on every ddp rank of a group."""
+DDP_GRADIENT_BUCKETS = False
+"""Whether DDP keeps its own flat copy of the gradients in its all-reduce buckets (4 more bytes
+per parameter on every ddp rank of a group). It does not: the trainer sets
+``gradient_as_bucket_view``, so the gradients are views into the buckets."""
 FP32_BYTES = 4
 
 
@@ -259,8 +262,9 @@ class ModelShape:
 class TrainerLayout:
     """How the trainer lays its models over its ranks (the worker's ``sharding.ShardingPlan``).
 
-    ``sharding`` is what runs: fsdp needs two ranks or more (one rank keeps a full replica, as
-    ddp does), and ``cpu_offload`` applies to fsdp only.
+    ``sharding`` is what runs: fsdp needs a process group, i.e. two ranks or more, or one rank
+    with cpuOffload (a group of one whose fp32 state FSDP2 keeps in host memory); one rank
+    without cpuOffload keeps a full replica, as ddp does. ``cpu_offload`` applies to fsdp only.
     """
 
     sharding: Literal["fsdp", "ddp"]
@@ -269,7 +273,6 @@ class TrainerLayout:
     ranks_per_pod: int
     reshard_after_forward: bool
     cpu_offload: bool
-    cpu_offload_requested: bool
     micro_batch_tokens: int
     compute_bytes: int
 
@@ -279,6 +282,11 @@ class TrainerLayout:
             how = "ddp (a full fp32 replica per rank)"
             if self.requested == "fsdp":
                 how = "fsdp on 1 rank = a full fp32 replica (nothing to shard over)"
+        elif self.world == 1:
+            how = (
+                "fsdp on 1 rank with cpuOffload (its fp32 state in host memory, "
+                f"reshardAfterForward {str(self.reshard_after_forward).lower()})"
+            )
         else:
             how = (
                 f"fsdp (fp32 state 1/{self.world} per rank, "
@@ -301,15 +309,15 @@ def trainer_layout(spec: RLJobSpec) -> TrainerLayout:
     trainer = spec.trainer
     ranks = ranks_per_pod(spec)
     world = trainer.replicas * ranks
-    fsdp = trainer.sharding == "fsdp" and world > 1
+    requested = resolve_sharding(trainer)
+    fsdp = requested == "fsdp" and (world > 1 or trainer.cpu_offload)
     return TrainerLayout(
         sharding="fsdp" if fsdp else "ddp",
-        requested=trainer.sharding,
+        requested=requested,
         world=world,
         ranks_per_pod=ranks,
         reshard_after_forward=trainer.reshard_after_forward,
         cpu_offload=fsdp and trainer.cpu_offload,
-        cpu_offload_requested=trainer.cpu_offload,
         micro_batch_tokens=trainer.micro_batch_tokens,
         compute_bytes=DTYPE_BYTES[spec.model.dtype],
     )
@@ -732,7 +740,7 @@ def _gpus_used(role: str, spec: RLJobSpec) -> int:
 
 
 def _layout_warnings(spec: RLJobSpec, roles: set[str]) -> list[str]:
-    """Once per role: GPUs a pod asks for but cannot use, and options that do not apply."""
+    """Once per role: GPUs a pod asks for but cannot use."""
     warnings: list[str] = []
     for role in sorted(roles):
         gpus, used = role_gpus(spec, role), _gpus_used(role, spec)  # type: ignore[arg-type]
@@ -752,12 +760,6 @@ def _layout_warnings(spec: RLJobSpec, roles: set[str]) -> list[str]:
             f"{gpus - used} of its {gpus} GPUs stay idle and their memory is not added: the "
             f"estimate is per rank, one GPU; to train on all {replicas * gpus} GPUs set "
             f"spec.trainer.replicas {replicas * gpus} and gpusPerReplica 1"
-        )
-    layout = trainer_layout(spec)
-    if roles & {"actor", "trainer"} and layout.cpu_offload_requested and not layout.cpu_offload:
-        warnings.append(
-            "spec.trainer.cpuOffload: applies to sharding fsdp with 2 or more trainer ranks; "
-            f"this job runs {layout.sharding} on {layout.world} rank(s), so nothing is offloaded"
         )
     return warnings
 

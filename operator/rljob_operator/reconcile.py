@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -669,13 +670,15 @@ def _report_progress(
     spec: RLJobSpec,
     topology: Topology,
 ) -> None:
-    """Copy the workers' reports into the status: step, version, reward, checkpoint from rank 0
-    of the training role (its last report, even from a pod that is gone); lag, throughput and
+    """Copy the workers' reports into the status: step, version, reward, checkpoint and exported
+    model from rank 0 of the training role (its last report, even from a pod that is gone); lag,
+    throughput and
     utilisation only from ``live`` reports (pods that run, within the heartbeat window), so a
     dead pod's numbers never pin the status."""
     lead_role = "actor" if topology == "colocated" else "trainer"
     lead = next((p for p in progress if p.role == lead_role and p.replica == 0), None)
     if lead is not None:
+        new_step = work.status.get("step") != lead.step
         work.status["step"] = lead.step
         work.status["policyVersion"] = lead.policy_version
         if lead.buffer_age_seconds is not None:
@@ -686,6 +689,8 @@ def _report_progress(
             work.status["rewardMean"] = round(lead.reward_mean, 4)
         if lead.last_checkpoint:
             _checkpoint_reported(work, lead.last_checkpoint, lead.step)
+        if lead.exported_model and not spec.checkpoint.ephemeral:
+            _exported_model_reported(work, lead.exported_model, spec, warn=new_step)
     lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
     if lags:
         work.status["policyLagMs"] = round(max(lags), 3)
@@ -715,6 +720,45 @@ def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:
     resume = work.status.get("resumeFrom")
     if resume and checkpoint_step(resume, -1) < at:
         work.status["resumeFrom"] = path
+
+
+EXPORTED_MODEL_MAX = 1024
+"""Longest ``status.exportedModel`` the operator accepts (characters)."""
+
+
+def exported_model_path(reported: str, checkpoint_root: str) -> str | None:
+    """``reported`` normalised, when it names a directory below ``checkpoint_root`` (where the
+    checkpoint volume is mounted: ``spec.checkpoint.path``) in at most ``EXPORTED_MODEL_MAX``
+    characters without control characters; else None. Pure string checks: a worker's report
+    never points the status at a path outside the job's checkpoint volume."""
+    if len(reported) > EXPORTED_MODEL_MAX or not posixpath.isabs(reported):
+        return None
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in reported):
+        return None
+    path, root = posixpath.normpath(reported), posixpath.normpath(checkpoint_root)
+    return path if path != root and path.startswith(f"{root.rstrip('/')}/") else None
+
+
+def _exported_model_reported(work: _Pass, reported: str, spec: RLJobSpec, *, warn: bool) -> None:
+    """status.exportedModel from the lead's report, when it lies under the checkpoint root;
+    else it is ignored, with a Warning Event in the pass that first reads the report's step
+    (not again every pass)."""
+    root = spec.checkpoint.path
+    path = exported_model_path(reported, root)
+    if path is not None:
+        work.status["exportedModel"] = path
+    elif warn:
+        shown = reported if len(reported) <= 200 else f"{reported[:200]}..."
+        work.events.append(
+            EventSpec(
+                "Warning",
+                "ExportedModelIgnored",
+                f"status.exportedModel: the trainer reported {shown!r}, which is not a "
+                f"directory under spec.checkpoint.path {root} of at most {EXPORTED_MODEL_MAX} "
+                "characters; it is not recorded. Export the last checkpoint yourself with "
+                f"rljob export {root} --model <base model dir> --out <dir>",
+            )
+        )
 
 
 def _forget_dead_checkpoints(work: _Pass, present: list[Progress], topology: Topology) -> None:

@@ -7,7 +7,9 @@ Aspects under test:
 - errors: every invalid spec raises SpecError whose problem names the field path and the fix,
   for single-field bounds, enums, unknown fields (with a spelling hint) and each cross-field rule;
 - resolve_topology: the documented auto rule, as a table;
-- derived defaults: advantage estimator, responses per prompt, weight-sync method;
+- derived defaults: advantage estimator, responses per prompt, weight-sync method, trainer
+  sharding (unset: ddp with powerSGD, so a job stored before the field keeps validating; fsdp
+  otherwise);
 - examples/: every manifest parses and resolves to the topology its name promises;
 - status: what the operator writes parses back, unknown status fields are ignored.
 """
@@ -30,6 +32,7 @@ from rljob_operator.api import (
     parse_rljob,
     resolve_advantage_estimator,
     resolve_clip_ratio_high,
+    resolve_sharding,
     resolve_topology,
     resolve_weight_sync_method,
     responses_per_prompt,
@@ -93,7 +96,8 @@ def test_parse_minimal_job_gets_documented_defaults() -> None:
     assert spec.buffer.max_age_seconds == 7200
     assert spec.rollout.replicas == 1 and spec.trainer.replicas == 1
     assert spec.trainer.gradient_compression.type == "none"
-    assert (spec.trainer.sharding, spec.trainer.reshard_after_forward) == ("fsdp", True)
+    assert (spec.trainer.sharding, resolve_sharding(spec.trainer)) == (None, "fsdp")
+    assert spec.trainer.reshard_after_forward is True
     assert (spec.trainer.cpu_offload, spec.trainer.micro_batch_tokens) == (False, 16384)
     assert spec.weight_sync.bucket_mib == 256
     assert spec.model.dtype == "bfloat16"
@@ -158,12 +162,13 @@ ON_POLICY_PPO = (
 POWERSGD_FSDP = (
     "spec.trainer.gradientCompression.type: powerSGD is a DDP communication hook; with "
     "spec.trainer.sharding fsdp use none, fp16 or bf16 (FSDP2's reduce dtype), or set "
-    "spec.trainer.sharding: ddp"
+    "spec.trainer.sharding: ddp (or leave it unset: ddp with powerSGD)"
 )
 OFFLOAD_DDP = (
     "spec.trainer.cpuOffload: CPU offload is an FSDP2 policy; with spec.trainer.sharding ddp "
-    "every rank keeps a full replica on its device, so set spec.trainer.sharding: fsdp or remove "
-    "cpuOffload"
+    "(set, or unset with gradientCompression.type powerSGD) every rank keeps a full replica on "
+    "its device, so remove cpuOffload, or set spec.trainer.sharding: fsdp with "
+    "gradientCompression.type none, fp16 or bf16"
 )
 FLOAT16 = (
     "spec.model.dtype: float16 training needs a gradient scaler, which the trainer does not have "
@@ -275,11 +280,16 @@ INVALID = [
         "spec.trainer.gradientCompression.rank: powerSGD needs rank >= 1",
     ),
     (
-        "powersgd-with-default-fsdp",
-        {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+        "powersgd-with-explicit-fsdp",
+        {"trainer": {"sharding": "fsdp", "gradientCompression": {"type": "powerSGD", "rank": 4}}},
         POWERSGD_FSDP,
     ),
     ("cpu-offload-with-ddp", {"trainer": {"sharding": "ddp", "cpuOffload": True}}, OFFLOAD_DDP),
+    (
+        "cpu-offload-with-powersgd-default-ddp",
+        {"trainer": {"cpuOffload": True, "gradientCompression": {"type": "powerSGD", "rank": 4}}},
+        OFFLOAD_DDP,
+    ),
     ("float16-model", {"model": {"dtype": "float16"}}, FLOAT16),
     (
         "backoff-above-max",
@@ -341,11 +351,44 @@ def test_parse_on_policy_disaggregated_message_names_algorithm_and_fix_exactly()
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}}, POWERSGD_FSDP),
+        (
+            {
+                "trainer": {
+                    "sharding": "fsdp",
+                    "gradientCompression": {"type": "powerSGD", "rank": 4},
+                }
+            },
+            POWERSGD_FSDP,
+        ),
         ({"trainer": {"sharding": "ddp", "cpuOffload": True}}, OFFLOAD_DDP),
+        (
+            {
+                "trainer": {
+                    "cpuOffload": True,
+                    "gradientCompression": {"type": "powerSGD", "rank": 4},
+                }
+            },
+            OFFLOAD_DDP,
+        ),
+        (
+            {
+                "trainer": {
+                    "sharding": "fsdp",
+                    "cpuOffload": True,
+                    "gradientCompression": {"type": "powerSGD", "rank": 4},
+                }
+            },
+            POWERSGD_FSDP,
+        ),
         ({"model": {"dtype": "float16"}}, FLOAT16),
     ],
-    ids=["powersgd-fsdp", "offload-ddp", "float16"],
+    ids=[
+        "powersgd-fsdp",
+        "offload-ddp",
+        "offload-powersgd-unset",
+        "offload-powersgd-fsdp",
+        "float16",
+    ],
 )
 def test_parse_sharding_and_precision_rules_give_exactly_one_message_naming_both_fields(
     patch: dict[str, Any], message: str
@@ -413,6 +456,11 @@ VALID = [
         "powersgd-with-rank-ddp",
         {"trainer": {"sharding": "ddp", "gradientCompression": {"type": "powerSGD", "rank": 4}}},
     ),
+    (
+        "powersgd-sharding-unset-stored-before-the-field",
+        {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+    ),
+    ("offload-sharding-unset", {"trainer": {"cpuOffload": True}}),
     (
         "bf16-reduce-fsdp",
         {"trainer": {"sharding": "fsdp", "gradientCompression": {"type": "bf16"}}},
@@ -528,6 +576,24 @@ def test_resolve_advantage_estimator_defaults_by_algorithm(
     algorithm: dict[str, Any], estimator: str
 ) -> None:
     assert resolve_advantage_estimator(_spec({"algorithm": algorithm}).algorithm) == estimator
+
+
+@pytest.mark.parametrize(
+    ("trainer", "sharding"),
+    [
+        ({}, "fsdp"),
+        ({"gradientCompression": {"type": "bf16"}}, "fsdp"),
+        ({"gradientCompression": {"type": "powerSGD", "rank": 4}}, "ddp"),
+        ({"sharding": "ddp"}, "ddp"),
+        ({"sharding": "ddp", "gradientCompression": {"type": "powerSGD", "rank": 4}}, "ddp"),
+        ({"sharding": "fsdp", "gradientCompression": {"type": "fp16"}}, "fsdp"),
+    ],
+    ids=["unset", "unset-bf16", "unset-powersgd", "ddp", "ddp-powersgd", "fsdp-fp16"],
+)
+def test_resolve_sharding_unset_is_ddp_with_powersgd_else_fsdp(
+    trainer: dict[str, Any], sharding: str
+) -> None:
+    assert resolve_sharding(_spec({"trainer": trainer}).trainer) == sharding
 
 
 def test_responses_per_prompt_group_size_for_grpo_one_for_ppo_n_when_set() -> None:

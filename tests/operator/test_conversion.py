@@ -207,11 +207,12 @@ def test_convert_sharding_fields_round_trip_and_render_alike_in_both_versions() 
 @pytest.mark.parametrize(
     "patch",
     [
-        {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 2}}},
+        {"trainer": {"sharding": "fsdp", "gradientCompression": {"type": "powerSGD", "rank": 2}}},
         {"trainer": {"sharding": "ddp", "cpuOffload": True}},
+        {"trainer": {"cpuOffload": True, "gradientCompression": {"type": "powerSGD", "rank": 2}}},
         {"model": {"dtype": "float16"}},
     ],
-    ids=["powersgd-fsdp", "offload-ddp", "float16"],
+    ids=["powersgd-fsdp", "offload-ddp", "offload-powersgd-unset", "float16"],
 )
 def test_parse_any_version_sharding_rules_same_message_in_v1alpha1(patch: dict[str, Any]) -> None:
     beta = yaml.safe_load((REPO / "examples" / "grpo-colocated.yaml").read_text())

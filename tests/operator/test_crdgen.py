@@ -632,8 +632,13 @@ COUNTEREXAMPLES = {
     "rollout-gpu": {"rollout": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
     "trainer-gpu": {"trainer": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
     "powersgd-rank": {"trainer": {"sharding": "ddp", "gradientCompression": {"type": "powerSGD"}}},
-    "powersgd-fsdp": {"trainer": {"gradientCompression": {"type": "powerSGD", "rank": 4}}},
+    "powersgd-fsdp": {
+        "trainer": {"sharding": "fsdp", "gradientCompression": {"type": "powerSGD", "rank": 4}}
+    },
     "offload-ddp": {"trainer": {"sharding": "ddp", "cpuOffload": True}},
+    "offload-powersgd-unset": {
+        "trainer": {"cpuOffload": True, "gradientCompression": {"type": "powerSGD", "rank": 4}}
+    },
     "float16": {"model": {"path": "/models/tiny-qwen2", "dtype": "float16"}},
     "backoff": {"failurePolicy": {"backoffSeconds": 100, "maxBackoffSeconds": 50}},
     "sampling-n": {"rollout": {"sampling": {"samplesPerPrompt": 3}}},

@@ -5,8 +5,10 @@
 - the pods come from the builders (names, GPUs, resources) and each gets a memory estimate per
   rank, i.e. per GPU, whose parts follow what the trainer does: fp32 master parameters, gradients
   and AdamW state whatever the compute dtype; 1/world of them per rank under fsdp, all of them
-  (plus DDP's gradient buckets) under ddp; FSDP's gathered layers and root, or the whole model
-  without reshardAfterForward; cpuOffload moving the sharded state to host memory; a critic with
+  under ddp (no second gradient copy: gradient_as_bucket_view); FSDP's gathered layers and root,
+  or the whole model without reshardAfterForward; cpuOffload moving the sharded state to host
+  memory, on one rank too (FSDP2 with a group of one; without offload one rank is a replica); a
+  critic with
   gae, a reference with klCoef; activations of one micro-batch capped by microBatchTokens, with
   one chunk of fp32 logits; an engine that sleeps while a GPU actor trains;
 - headroom verdicts (fits / tight / does-not-fit / unknown) against one GPU (never a pod's GPUs
@@ -180,9 +182,21 @@ def test_estimate_fsdp_state_per_rank_is_one_world_th_ddp_keeps_it_whole(world: 
     for key in (*state, "reference_parameters"):
         assert fsdp[key] == pytest.approx(one[key] / world, abs=16)  # ceil(P / world)
         assert ddp[key] == one[key]
-    # DDP's all-reduce buckets are a second copy of the gradients on every rank of a group
-    assert ddp["policy_ddp_gradient_buckets_fp32"] == 4 * SHAPE_7B.parameters()
-    assert "policy_ddp_gradient_buckets_fp32" not in one
+    # gradient_as_bucket_view: DDP's all-reduce buckets are the gradients, not a second copy
+    assert set(ddp) == set(one) == {*state, "reference_parameters"}
+
+
+def test_estimate_one_rank_fsdp_with_cpu_offload_keeps_its_whole_state_in_host_memory() -> None:
+    replica = rank(dapo(replicas=1))
+    offload = rank(dapo(replicas=1, cpuOffload=True))
+    assert offload.layout is not None and offload.layout.sharding == "fsdp"
+    assert "1 rank with cpuOffload" in offload.layout.describe()
+    assert offload.host == replica.components  # the full fp32 state and the reference
+    assert offload.components == {}
+    layer, root = SHAPE_7B.layer_parameters(), SHAPE_7B.root_parameters()
+    assert offload.transient["policy_gathered_parameters"] == 2 * (2 * layer + root)
+    assert "policy_autocast_weights" not in offload.transient  # FSDP2 casts, not autocast
+    assert offload.total < replica.total - sum(replica.components.values()) / 2
 
 
 def test_estimate_fsdp_gathers_two_layers_and_the_root_or_the_whole_model() -> None:

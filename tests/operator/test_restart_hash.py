@@ -4,14 +4,16 @@ Aspects under test:
 - an equivalent spec keeps its hash across the upgrade from the previous release (every example
   rendered and hashed by that release's code, from git, against this build's hash of the same
   manifest read as v1alpha1), although this build renders fields that release had not (trainer
-  sharding fsdp, micro-batch budget, weight-sync bucket: the defaults such a job reads with);
+  sharding fsdp, micro-batch budget, weight-sync bucket: the defaults such a job reads with); a
+  stored powerSGD job (no sharding field) renders ddp and keeps its hash too;
 - settings that do nothing do not move the hash (a disabled overlong buffer's lengths);
 - a field that needs a restart moves it (model, sampling, learning rate, an enabled buffer's
   lengths, enabling the buffer, trainer sharding, reshard, offload, micro-batch budget); live
   sections do not (weight-sync bucket size among them);
 - every worker-config field the hash covers existed in the previous release or is declared in
   HASH_NEUTRAL with the value a job stored before it renders (a new field cannot silently restart
-  every job on upgrade), and that value is the spec default.
+  every job on upgrade), and that value is the spec default or what the unset field resolves to
+  (sharding: ddp with powerSGD, fsdp otherwise).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rljob_operator.builders import (
     LIVE_SECTIONS,
     JobRef,
     build_worker_config,
+    hash_neutral_value,
     restart_hash,
 )
 from rljob_operator.conversion import parse_any_version
@@ -90,11 +93,18 @@ def new_config(raw: dict[str, Any]) -> WorkerConfig:
     return build_worker_config(job.spec, ref, topology, checkpoint_dir=CHECKPOINT_MOUNT)
 
 
+POWERSGD = {"type": "powerSGD", "rank": 4}
+
+
 def test_restart_hash_previous_release_example_same_hash_after_upgrade(old_tree: Path) -> None:
     raws = {e: manifest(old_tree, e) for e in EXAMPLES}
+    powersgd = manifest(old_tree, "dapo-disaggregated")
+    powersgd["spec"]["trainer"]["gradientCompression"] = dict(POWERSGD)
+    raws["dapo-powersgd"] = powersgd
     old = json.loads(previous_release.run_python(old_tree, OLD_HASHES, json.dumps(raws)))
     configs = {e: new_config(raw) for e, raw in raws.items()}
-    assert {c.trainer.sharding for c in configs.values()} == {"fsdp"}  # rendered, not hashed
+    sharding = {e: c.trainer.sharding for e, c in configs.items()}  # rendered, not hashed
+    assert sharding == {**dict.fromkeys(EXAMPLES, "fsdp"), "dapo-powersgd": "ddp"}
     assert {c.trainer.micro_batch_tokens for c in configs.values()} == {16384}
     assert {e: restart_hash(c) for e, c in configs.items()} == old
 
@@ -194,7 +204,12 @@ def test_restart_hash_neutral_entry_leaves_out_only_the_as_before_value(
     assert restart_hash(changed) != restart_hash(as_before)
 
 
-def test_restart_hash_neutral_values_are_what_a_job_without_the_fields_renders() -> None:
+@pytest.mark.parametrize(
+    ("trainer", "sharding"), [({}, "fsdp"), ({"gradientCompression": POWERSGD}, "ddp")]
+)
+def test_restart_hash_neutral_values_are_what_a_job_without_the_fields_renders(
+    trainer: dict[str, Any], sharding: str
+) -> None:
     raw = {
         "apiVersion": api.API_VERSION,
         "kind": "RLJob",
@@ -203,11 +218,23 @@ def test_restart_hash_neutral_values_are_what_a_job_without_the_fields_renders()
             "algorithm": {"name": "grpo"},
             "model": {"path": "/models/m"},
             "task": {"builtin": {"name": "copy"}},
+            "trainer": trainer,
         },
     }
-    rendered = new_config(raw).model_dump(mode="json")
-    for path, neutral in HASH_NEUTRAL.items():
+    config = new_config(raw)
+    assert config.trainer.sharding == sharding
+    rendered = config.model_dump(mode="json")
+    for path in HASH_NEUTRAL:
         node: Any = rendered
         for part in path.split("."):
             node = node[part]
-        assert node == neutral, path
+        assert node == hash_neutral_value(path, config), path
+
+
+def test_restart_hash_sharding_neutral_value_follows_the_compression(old_tree: Path) -> None:
+    base = new_config(manifest(old_tree, "dapo-disaggregated"))  # bf16 compression: fsdp
+    ddp = _with(base, "trainer.sharding", "ddp")
+    assert restart_hash(ddp) != restart_hash(base)
+    powersgd = _with(ddp, "trainer.gradient_compression", POWERSGD)  # what it resolves to
+    assert restart_hash(powersgd) == restart_hash(base)
+    assert restart_hash(_with(powersgd, "trainer.sharding", "fsdp")) != restart_hash(base)
