@@ -686,3 +686,31 @@ def test_trainer_servers_apply_live_config_changes_without_restart(tmp_path):
         assert servers.apply_control() == 2  # the degrade action tightens the live bound further
     finally:
         servers.close()
+
+
+def test_trainer_reports_the_last_step_only_with_the_exported_model(tiny_model, tmp_path):
+    # the operator ends a job (and deletes its pods) when it sees the last step: that report
+    # must come after the model is written, and name it
+    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=1)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.dump())
+    env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
+    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+    worker = TrainerWorker(config, env)
+    beats = []
+    original = worker.reporter.beat
+    worker.reporter.beat = lambda progress: (beats.append(progress), original(progress))[1]
+    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    try:
+        client.send(_synthetic_group("a", 0, prompt), timeout_s=10)
+        worker.run()
+    finally:
+        client.close()
+        worker.close()
+
+    last_step = [p for p in beats if p.step >= 1]
+    assert last_step and all(p.exported_model for p in last_step)
+    assert last_step[-1].done
+    exported = Path(last_step[-1].exported_model)
+    assert (exported / "config.json").is_file()
+    assert list(exported.glob("model-*.safetensors"))

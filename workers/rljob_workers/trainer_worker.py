@@ -283,7 +283,10 @@ class TrainerWorker:
         self._last_record = record
         self.reporter.record(record, dropped=record.get("dropped"))
         log.info(_format_step(record, self.config.total_steps))
-        self.report_progress(done=self.step >= self.config.total_steps)
+        if self.step < self.config.total_steps:
+            # the last step is reported by run() once the model is exported: the operator
+            # ends the job (and its pods) when it sees the last step
+            self.report_progress(done=False)
         return record
 
     def _train_step(self) -> dict[str, Any]:
