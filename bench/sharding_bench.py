@@ -39,8 +39,11 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 4, 128, 49, 4, 1),
     "100M": (768, 12, 2048, 32000, 12, 4),
 }
-GROUPS = 8
-GROUP_SIZE = 4
+GROUPS = 4
+GROUP_SIZE = 2
+LENGTHS = {"tiny": (32, 64), "100M": (16, 32)}
+"""Prompt and response tokens per row: small for 100M, whose step on 1 CPU thread per rank
+otherwise takes minutes."""
 
 
 def _log(message: str) -> None:
@@ -106,15 +109,15 @@ def _config(model: Path, out: Path, sharding: str) -> Any:
     )
 
 
-def _experience(rank: int, world: int, vocab: int) -> Any:
+def _experience(rank: int, world: int, vocab: int, lengths: tuple[int, int]) -> Any:
     from rljob_workers.learner import Experience
 
     generator = torch.Generator().manual_seed(7)
     rows = []
     for _ in range(GROUPS):
-        prompt = torch.randint(3, vocab, (32,), generator=generator).tolist()
+        prompt = torch.randint(3, vocab, (lengths[0],), generator=generator).tolist()
         for _ in range(GROUP_SIZE):
-            response = torch.randint(3, vocab, (64,), generator=generator).tolist()
+            response = torch.randint(3, vocab, (lengths[1],), generator=generator).tolist()
             rows.append((prompt, response, float(torch.rand(1, generator=generator))))
     groups = [rows[i : i + GROUP_SIZE] for i in range(0, len(rows), GROUP_SIZE)]
     mine = [r for g in groups[rank::world] for r in g]
@@ -141,7 +144,7 @@ def rank_main(model: Path, out: Path, sharding: str, repeat: int) -> None:
     config = _config(model, out, sharding)
     learner = build_learner(config, pad_id=0, rank=rank, world_size=world)
     vocab = int(learner.policy.model.config.vocab_size)
-    data = _experience(rank, world, vocab)
+    data = _experience(rank, world, vocab, LENGTHS[model.name])
     steps = []
     for _ in range(repeat + 1):
         start = time.perf_counter()
@@ -294,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             for sharding in ("ddp", "fsdp"):
                 _log(f"{size}: {sharding} at 2 ranks, {args.repeat} repeats")
                 ranks = _launch(model, folder, sharding, args.repeat)
-                results[size][sharding] = ranks[0]
-                results[size][sharding]["ranks"] = ranks
+                results[size][sharding] = {**ranks[0], "ranks": ranks}
             # the first release's full-state save, measured on the ddp run
             results[size]["fsdp"]["full_save_s"] = results[size]["ddp"]["full_save_s"]
             results[size]["fsdp"]["full_load_s"] = results[size]["ddp"]["full_load_s"]

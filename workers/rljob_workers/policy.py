@@ -355,8 +355,8 @@ class PolicyModel(nn.Module):
             if id(tensor) in seen:  # the same object on every rank: the ranks skip in step
                 continue
             seen.add(id(tensor))
-            full = full_tensor(tensor.detach())
-            yield name, full if dtype is None else full.to(dtype)
+            local = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+            yield name, full_tensor(local)  # cast first: a bf16 gather moves half the bytes
 
 
 class ValueModel(nn.Module):
