@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,87 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_learner(name: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The trainer's own ``Learner`` on the GPU (world 1): ``learner`` a bf16-autocast replica,
+    ``learner-offload`` FSDP2 over a group of one with CPU offload."""
+    from rljob_workers.config import (
+        AlgorithmConfig,
+        CheckpointConfig,
+        ModelConfig,
+        RolloutConfig,
+        SamplingConfig,
+        TrainerConfig,
+        WorkerConfig,
+    )
+    from rljob_workers.learner import Experience, build_learner
+    from rljob_workers.sharding import local_state_bytes
+
+    model_dir = folder / "model"
+    if not (model_dir / "config.json").exists():
+        _model(args.seed).save_pretrained(model_dir)
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    config = WorkerConfig(
+        job_name="gpu-check",
+        topology="disaggregated",
+        device="cuda" if DEVICE == "cuda" else "cpu",
+        algorithm=AlgorithmConfig(
+            name="dapo",
+            advantage_estimator="grpo",
+            learning_rate=1e-6,
+            group_size=args.rows,
+            batch_size=1,
+            mini_batch_size=1,
+        ),
+        model=ModelConfig(path=str(model_dir), dtype="bfloat16"),
+        rollout=RolloutConfig(sampling=SamplingConfig(n=args.rows, max_tokens=args.response)),
+        trainer=TrainerConfig(
+            sharding="fsdp",
+            cpu_offload=name == "learner-offload",
+            gradient_checkpointing=True,
+            micro_batch_tokens=args.micro_batch_tokens,
+        ),
+        checkpoint=CheckpointConfig(dir=str(folder / "ckpt"), every_steps=0),
+        output_dir=str(folder),
+    )
+    learner = build_learner(config, pad_id=0, rank=0, world_size=1)
+    batch = _batch(args.rows, args.prompt, args.response, args.seed)
+    rows = range(args.rows)
+    experience = Experience(
+        [
+            batch.input_ids[r, : batch.prompt_width][
+                batch.attention_mask[r, : batch.prompt_width].bool()
+            ].tolist()
+            for r in rows
+        ],
+        [batch.response_ids[r][batch.response_mask[r].bool()].tolist() for r in rows],
+        [[0.0] * int(batch.response_mask[r].sum()) for r in rows],
+        [float(r % 2) for r in rows],
+    )
+    times = []
+    for step in range(args.steps):
+        _sync()
+        start = time.perf_counter()
+        learner.update(experience, seed=step)
+        _sync()
+        times.append(time.perf_counter() - start)
+        _log(f"{name}: update {step + 1}/{args.steps} {times[-1]:.3f} s")
+    state = local_state_bytes([learner.policy], [learner.optimizer])
+    result = {
+        "variant": name,
+        "step_time_s_median": statistics.median(times[1:] or times),
+        "peak_gpu_bytes": _peak(),
+        "state_bytes": state,
+        "fsdp": learner.layout.fsdp,
+        "offload": learner.layout.cpu_offload,
+    }
+    del learner
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     local = getattr(tensor, "to_local", None)
     return local() if callable(local) else tensor
@@ -208,7 +290,7 @@ def plan_estimate(args: argparse.Namespace, variant: str) -> dict[str, Any] | No
         "gradientCheckpointing": True,
         "microBatchTokens": args.micro_batch_tokens,
         "sharding": "ddp" if variant == "ddp" else "fsdp",
-        "cpuOffload": variant == "fsdp-cpu-offload",
+        "cpuOffload": variant in ("fsdp-cpu-offload", "learner-offload"),
     }
     job = parse_rljob(
         {
@@ -254,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response", type=int, default=512)
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", default="fsdp,fsdp-cpu-offload,ddp")
+    parser.add_argument("--variants", default="fsdp,fsdp-cpu-offload,ddp,learner,learner-offload")
     parser.add_argument("--out", default="bench/results/gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU (no GPU)")
     args = parser.parse_args(argv)
@@ -263,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE, SHAPE = "cpu", SMOKE_SHAPE
         args.rows, args.prompt, args.response, args.steps = 4, 16, 16, 3
         args.micro_batch_tokens = 64
-        args.variants = "fsdp,ddp"
+        if args.variants == parser.get_default("variants"):
+            args.variants = "fsdp,ddp,learner"
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it where a GPU is lent", file=sys.stderr)
         return 2
@@ -271,10 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)"
     _log(f"{name}, torch {torch.__version__}")
     results = []
-    for variant in args.variants.split(","):
-        result = run_variant(variant, args)
-        result["plan"] = plan_estimate(args, variant)
-        results.append(result)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
+        for variant in args.variants.split(","):
+            if variant.startswith("learner"):
+                result = run_learner(variant, args, Path(folder))
+            else:
+                result = run_variant(variant, args)
+            result["plan"] = plan_estimate(args, variant)
+            results.append(result)
     header = "| variant | step (median) | peak GPU | params+grads+optim on this rank | plan |"
     print(header)
     print("|---|---|---|---|---|")

@@ -5,7 +5,8 @@ Runs ``examples/grpo-colocated.yaml`` (2 actors) and ``examples/dapo-disaggregat
 the same seeds, alternating, and reports the final reward (mean of the last 10 steps' reward)
 and the run's wall time. Writes ``bench/results/sharding_learning.{json,png}``.
 
-Usage: ``.venv/bin/python -m bench.sharding_learning [--seeds 0,1] [--examples grpo,dapo]``
+Usage: ``.venv/bin/python -m bench.sharding_learning [--seeds 0,1] [--examples grpo,dapo]
+[--out FILE] [--combine EARLIER.json ...]`` (``--combine`` pools earlier runs into this result).
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--examples", default="grpo,dapo")
+    parser.add_argument("--out", default=str(RESULTS / "sharding_learning.json"))
+    parser.add_argument(
+        "--combine", nargs="*", default=[], help="earlier result JSONs whose runs to pool in"
+    )
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     runs: list[dict[str, Any]] = []
@@ -100,14 +105,18 @@ def main(argv: list[str] | None = None) -> int:
                         f"{result['final_reward']:.3f} in {result['wall_s']:.0f} s"
                     )
                     runs.append(result)
-    RESULTS.mkdir(exist_ok=True)
+    for earlier in args.combine:
+        runs += json.loads(Path(earlier).read_text())["runs"]
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
     body = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_avg": os.getloadavg(),
+        "combined": args.combine,
         "runs": runs,
     }
-    (RESULTS / "sharding_learning.json").write_text(json.dumps(body, indent=1))
-    _plot(runs, RESULTS / "sharding_learning.png")
+    out.write_text(json.dumps(body, indent=1))
+    _plot(runs, out.with_suffix(".png"))
     print(render_table(runs), end="")
     return 0
 

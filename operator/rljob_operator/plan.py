@@ -161,8 +161,10 @@ LOGIT_CHUNK_TOKENS = 1024
 """Tokens whose vocabulary-sized logits the trainer materialises at once: log-probabilities and
 entropy are computed over the sequence in chunks of this many tokens (each chunk recomputed in the
 backward pass), so a micro-batch never holds fp32 logits for all of its tokens."""
-LOGIT_CHUNK_COPIES = 3
-"""fp32 vocabulary-sized tensors per chunk token: the logits, their log-softmax and the gradient."""
+LOGIT_CHUNK_COPIES = 6
+"""fp32 vocabulary-sized tensors per chunk token at the peak: the logits, the tempered logits,
+their log-softmax, the softmax and its product with the logits (the entropy), and a gradient
+(checked on an H200 with a 0.5B model, ``bench/gpu_check.py``: with 3 the estimate was 20% low)."""
 FSDP_GATHERED_LAYERS = 2
 """Decoder layers whose full parameters FSDP holds at once with reshardAfterForward: the current
 one and the prefetched next one."""

@@ -18,7 +18,12 @@ import torch
 from rljob_workers import checkpoint as checkpoint_module
 from rljob_workers.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from rljob_workers.config import WorkerConfig
-from rljob_workers.ddp import global_sum, init_process_group_from_env, leave_process_group
+from rljob_workers.ddp import (
+    global_sum,
+    init_process_group_from_env,
+    leave_process_group,
+    needs_process_group,
+)
 from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.sharding import local_state_bytes
 
@@ -56,8 +61,9 @@ def step(learner: Learner, index: int) -> float:
     return global_sum([local], distributed=learner.distributed)[0] / world
 
 
-def full_params(learner: Learner) -> torch.Tensor:
-    return torch.cat([t.float().reshape(-1) for _, t in learner.policy.named_weights()])
+def full_params(learner: Learner, bucket_bytes: int = 256 * 2**20) -> torch.Tensor:
+    weights = learner.policy.named_weights(bucket_bytes=bucket_bytes)
+    return torch.cat([t.float().reshape(-1) for _, t in weights])
 
 
 def main(out: Path, scenario: str, sharding: str = "fsdp") -> None:
@@ -67,12 +73,15 @@ def main(out: Path, scenario: str, sharding: str = "fsdp") -> None:
     config = WorkerConfig.parse((out / "config.json").read_text())
     trainer = config.trainer.model_copy(update={"sharding": sharding})
     config = config.model_copy(update={"trainer": trainer})
-    if world > 1:
+    if scenario == "compare-offload":  # fsdp + cpuOffload: a group even of one rank
+        trainer = config.trainer.model_copy(update={"cpu_offload": True})
+        config = config.model_copy(update={"trainer": trainer})
+        scenario = "compare"
+    if needs_process_group(config.trainer, world):
         init_process_group_from_env("gloo", timeout_s=60)
     # the learner lives only in run_scenario's frame: freed before the group is left
     result = run_scenario(config, out, scenario, rank, world)
-    if world > 1:
-        leave_process_group()
+    leave_process_group()
     torch.save(result, out / f"rank{rank}.pt")
 
 
@@ -95,9 +104,12 @@ def run_scenario(
         )
 
     if scenario == "compare":
+        result["sharded"] = learner.layout.fsdp
         result["losses"] = [step(learner, i) for i in range(3)]
         result["state"] = local_state_bytes([learner.policy], [learner.optimizer])
         result["params"] = full_params(learner)
+        # buckets smaller than most tensors: one all-gather per tensor, uneven dim-0 shards
+        result["params_small_buckets"] = full_params(learner, bucket_bytes=1024)
     elif scenario == "save":
         result["losses"] = [step(learner, i) for i in range(2)]
         save(2)

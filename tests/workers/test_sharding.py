@@ -196,6 +196,8 @@ def test_fsdp_and_ddp_train_the_same_on_two_ranks(two_rank_layouts):
     assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-4, abs=1e-6)
     torch.testing.assert_close(fsdp[0]["params"], ddp[0]["params"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fsdp[1]["params"], fsdp[0]["params"])
+    # gathered in buckets of 1 KiB (most tensors alone exceed it): the same weights
+    assert torch.equal(fsdp[0]["params_small_buckets"], fsdp[0]["params"])
 
 
 @pytest.mark.parametrize(
@@ -215,6 +217,18 @@ def test_fsdp_matches_ddp_with_checkpointing_and_with_critic_and_reference(
     ddp, fsdp = results["ddp"][0], results["fsdp"][0]
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=1e-6)
     torch.testing.assert_close(fsdp["params"], ddp["params"], rtol=1e-4, atol=1e-5)
+
+
+def test_one_rank_with_cpu_offload_is_sharded_and_trains_like_a_replica(tiny_model, tmp_path):
+    folder = _write_config(tmp_path / "offload", tiny_model)
+    (offloaded,) = run_ranks(
+        RANKS_SCRIPT, folder, "offload", world=1, args=("compare-offload", "fsdp")
+    )
+    folder = _write_config(tmp_path / "replica", tiny_model)
+    (replica,) = run_ranks(RANKS_SCRIPT, folder, "replica", world=1, args=("compare", "fsdp"))
+    assert offloaded["sharded"] and not replica["sharded"]
+    assert offloaded["losses"] == pytest.approx(replica["losses"], rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(offloaded["params"], replica["params"], rtol=1e-4, atol=1e-5)
 
 
 def _one_layer_bytes(model: Path) -> int:
@@ -252,6 +266,8 @@ def test_fsdp_rank_holds_a_quarter_of_the_state_on_four_ranks(
     four_rank_fsdp, one_rank_state, tiny_model
 ):
     full = sum(one_rank_state.values())
+    # uneven shards (e.g. a 49-row embedding over 4 ranks) gather back to whole tensors
+    assert torch.equal(four_rank_fsdp[0]["params_small_buckets"], four_rank_fsdp[0]["params"])
     for rank in four_rank_fsdp:
         assert abs(sum(rank["state"].values()) - full / 4) <= _one_layer_bytes(tiny_model)
 

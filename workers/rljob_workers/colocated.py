@@ -381,7 +381,10 @@ class ColocatedRuntime:
         """The engine loads the policy's weights, gathered from the shards tensor by tensor
         and cast to the engine's dtype (the trainer keeps fp32 masters)."""
         dtype = COMPUTE_DTYPES[self.config.model.dtype]
-        self.engine.load_weights(self.policy_version, self.policy.named_weights(dtype))
+        weights = self.policy.named_weights(
+            dtype, bucket_bytes=self.config.weight_sync.bucket_mib * 2**20
+        )
+        self.engine.load_weights(self.policy_version, weights)
 
     # ---------------------------------------------------------- distributed
 

@@ -224,7 +224,7 @@ def export_trained_policy(
     checkpoint volume; every rank calls it, rank 0 returns the path."""
     dtype = COMPUTE_DTYPES[config.model.dtype]
     out = export_policy(
-        policy.named_weights(dtype),
+        policy.named_weights(dtype, bucket_bytes=config.weight_sync.bucket_mib * 2**20),
         final_export_dir(config.checkpoint.dir, step),
         base_model=config.model.path,
         writer=writer,

@@ -132,7 +132,7 @@ def reward_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
     lengths = mask.sum(dim=1).long()
     rewards = torch.zeros_like(mask)
     has_tokens = lengths > 0
-    rows = torch.arange(mask.shape[0])[has_tokens]
+    rows = torch.arange(mask.shape[0], device=mask.device)[has_tokens]
     rewards[rows, lengths[has_tokens] - 1] = scores[has_tokens]
     return rewards
 
@@ -263,6 +263,7 @@ class Learner:
         self.group_size = config.rollout.sampling.n
         self.minibatches = max(1, math.ceil(algo.batch_size / algo.mini_batch_size))
         self.micro_batch_tokens = config.trainer.micro_batch_tokens
+        self.device = next(policy.parameters()).device  # before FSDP may offload it
         self.normaliser = (
             float(config.rollout.sampling.max_tokens)
             if algo.loss_aggregation == "seq-mean-token-sum-norm"
@@ -333,7 +334,9 @@ class Learner:
     ) -> Tensor | None:
         """``[B, T]`` outputs of ``model`` (log-probs or values) over ``batch``, micro-batch
         by micro-batch (no gradients)."""
-        out = None if batch is None else torch.zeros(batch.response_mask.shape)
+        out = None
+        if batch is not None:
+            out = torch.zeros(batch.response_mask.shape, device=batch.response_mask.device)
         for rows in parts:
             if rows is None or batch is None or out is None:
                 _first(model(self._dummy.batch))
@@ -353,7 +356,10 @@ class Learner:
         batch = None
         if len(experience):
             batch = build_sequence_batch(
-                experience.prompt_ids, experience.response_ids, pad_id=self.pad_id
+                experience.prompt_ids,
+                experience.response_ids,
+                pad_id=self.pad_id,
+                device=self.device,
             )
         parts = self._micro_batches(batch)
         with self.layout.forward_context():
@@ -363,8 +369,8 @@ class Learner:
         if batch is None or old_logp is None:
             return None
         mask = batch.response_mask
-        behaviour = pad_rows(experience.behaviour_logprobs, mask.shape[1]) * mask
-        scores = torch.tensor(list(experience.scores), dtype=torch.float32)
+        behaviour = pad_rows(experience.behaviour_logprobs, mask.shape[1]).to(self.device) * mask
+        scores = torch.tensor(list(experience.scores), dtype=torch.float32, device=self.device)
         penalty = None
         if ref_logp is not None and algo.kl_estimator not in LOSS_KL_ESTIMATORS:
             penalty = kl_reward_penalty(old_logp, ref_logp, mask, coef=algo.kl_coef)
@@ -399,10 +405,13 @@ class Learner:
         return PreparedBatch(batch, old_logp, behaviour, advantages, estimate, ref_logp)
 
     def _prepare_dummy(self) -> PreparedBatch:
-        batch = build_sequence_batch([[self.pad_id]], [[self.pad_id]], pad_id=self.pad_id)
-        zeros = torch.zeros(1, 1)
+        batch = build_sequence_batch(
+            [[self.pad_id]], [[self.pad_id]], pad_id=self.pad_id, device=self.device
+        )
+        zeros = torch.zeros(1, 1, device=self.device)
         values = None if self.critic is None else zeros
-        return PreparedBatch(batch, zeros, zeros, zeros, torch.zeros(1), zeros, values, values)
+        sequence = torch.zeros(1, device=self.device)
+        return PreparedBatch(batch, zeros, zeros, zeros, sequence, zeros, values, values)
 
     # ------------------------------------------------------------------------------ update
 

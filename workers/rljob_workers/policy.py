@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rljob_workers.algos import entropy_from_logits
-from rljob_workers.sharding import full_tensor
+from rljob_workers.sharding import gather_full_tensors
 
 __all__ = [
     "LOGIT_CHUNK_TOKENS",
@@ -42,6 +42,8 @@ IdRow = Sequence[int] | npt.NDArray[np.integer[Any]]
 FloatRow = Sequence[float] | npt.NDArray[np.floating[Any]]
 """One row of log-probs: a list or a float array."""
 
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+"""Weights are gathered from the shards in buckets of this size (``weightSync.bucketMiB``)."""
 LOGIT_CHUNK_TOKENS = 1024
 """Tokens whose vocabulary-sized fp32 logits exist at once in a forward or backward pass."""
 
@@ -341,22 +343,27 @@ class PolicyModel(nn.Module):
         ]
         return torch.cat(parts, dim=0)
 
-    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    def named_weights(
+        self, dtype: torch.dtype | None = None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> Iterator[tuple[str, Tensor]]:
         """``(name, tensor)`` pairs in the checkpoint's naming, for a rollout engine to load.
 
-        Sharded parameters are gathered one tensor at a time (a collective: every rank of the
-        group must iterate in step), so no rank holds more than one whole tensor beyond its
-        shard. ``dtype`` casts each tensor (the engine's dtype; the trainer keeps fp32 masters).
-        Unsharded tensors are detached views of the live parameters unless cast: an engine
-        that keeps them must copy. Tied weights appear once, under their first name.
+        Sharded parameters are gathered in buckets of ``bucket_bytes`` (a collective: every rank
+        of the group must iterate in step), so no rank holds the whole model beyond its shard.
+        ``dtype`` casts each tensor before the gather (the engine's dtype: half the bytes of the
+        fp32 masters). Unsharded tensors are detached views of the live parameters unless cast:
+        an engine that keeps them must copy. Tied weights appear once, under their first name.
         """
         seen: set[int] = set()
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) in seen:  # the same object on every rank: the ranks skip in step
-                continue
-            seen.add(id(tensor))
-            local = tensor.detach() if dtype is None else tensor.detach().to(dtype)
-            yield name, full_tensor(local)  # cast first: a bf16 gather moves half the bytes
+
+        def local() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in self.model.state_dict(keep_vars=True).items():
+                if id(tensor) in seen:  # the same object on every rank: ranks skip in step
+                    continue
+                seen.add(id(tensor))
+                yield name, tensor.detach() if dtype is None else tensor.detach().to(dtype)
+
+        yield from gather_full_tensors(local(), bucket_bytes=bucket_bytes)
 
 
 class ValueModel(nn.Module):

@@ -15,7 +15,7 @@ learning rate of 1e-6 round most updates away. ``float16`` compute is refused (n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "ShardingPlan",
     "decoder_layers",
     "full_tensor",
+    "gather_full_tensors",
     "local_state_bytes",
     "shard_module",
 ]
@@ -161,7 +162,8 @@ def shard_module(
     param_dtype = None if compute_dtype == torch.float32 else compute_dtype
     options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory needs CUDA; on a CPU-only trainer offloading is a no-op anyway
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     for layer in decoder_layers(module):
         fully_shard(layer, **options)
     fully_shard(module, **options)
@@ -176,6 +178,70 @@ def full_tensor(tensor: Tensor) -> Tensor:
     """
     gather = getattr(tensor, "full_tensor", None)
     return gather() if callable(gather) else tensor
+
+
+def gather_full_tensors(
+    items: Iterable[tuple[str, Tensor]], *, bucket_bytes: int
+) -> Iterator[tuple[str, Tensor]]:
+    """``(name, whole tensor)`` for every ``(name, tensor)``: FSDP2 shards (dim-0 ``DTensor``s
+    over the whole group) are gathered a bucket of up to ``bucket_bytes`` at a time with one
+    all-gather per bucket; other tensors pass through. A collective: every rank iterates the
+    same items in the same order. At most about two buckets (the gathered buffer and the
+    tensors cut from it; one tensor when it alone is larger) exist beyond the shards."""
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in items:
+        if not _dim0_sharded(tensor):
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+            yield name, full_tensor(tensor)
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (size + nbytes > bucket_bytes or bucket[0][1].dtype != tensor.dtype):
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    yield from _gather_bucket(bucket)
+
+
+def _dim0_sharded(tensor: Tensor) -> bool:
+    placements = getattr(tensor, "placements", None)
+    mesh = getattr(tensor, "device_mesh", None)
+    if placements is None or mesh is None or len(placements) != 1 or mesh.ndim != 1:
+        return False
+    from torch.distributed.tensor import Shard
+
+    return bool(placements[0] == Shard(0) and mesh.size() == dist.get_world_size())
+
+
+def _gather_bucket(bucket: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    if not bucket:
+        return
+    world = dist.get_world_size()
+    local = [_local(t).reshape(-1) for _, t in bucket]
+    rows = [_chunk_rows(int(t.shape[0]), world) for _, t in bucket]
+    inner = [t[0].numel() if t.dim() > 1 else 1 for _, t in bucket]
+    per_rank = [sum(r[k] * n for r, n in zip(rows, inner, strict=True)) for k in range(world)]
+    width = max(per_rank)
+    mine = torch.zeros(width, dtype=local[0].dtype, device=local[0].device)
+    flat = torch.cat(local)
+    mine[: flat.numel()] = flat
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    offsets = [0] * world
+    for (name, tensor), counts, n in zip(bucket, rows, inner, strict=True):
+        pieces = []
+        for k in range(world):
+            pieces.append(gathered[k][offsets[k] : offsets[k] + counts[k] * n])
+            offsets[k] += counts[k] * n
+        yield name, torch.cat(pieces).view(tensor.shape)
+
+
+def _chunk_rows(dim0: int, world: int) -> list[int]:
+    """Rows of dim 0 each rank holds under FSDP2's ``torch.chunk`` sharding (0 past the end)."""
+    step = -(-dim0 // world)  # ceil
+    return [max(0, min(step, dim0 - k * step)) for k in range(world)]
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -432,7 +432,10 @@ class TrainerWorker:
     def _publish(self, stepped_wall: float | None = None) -> dict[str, Any]:
         """Rank 0: publish the weights as ``self.version`` and announce the version (under
         fsdp every rank calls it: the full tensors are gathered from the shards one by one)."""
-        weights = self.policy.named_weights(COMPUTE_DTYPES[self.config.model.dtype])
+        weights = self.policy.named_weights(
+            COMPUTE_DTYPES[self.config.model.dtype],
+            bucket_bytes=self.config.weight_sync.bucket_mib * 2**20,
+        )
         if self.servers is None:
             if self.learner.layout.fsdp:  # gathering a shard is a collective: take part
                 for _ in weights:
