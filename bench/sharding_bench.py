@@ -195,8 +195,7 @@ def rank_main(model: Path, out: Path, sharding: str, repeat: int) -> None:
         "publish_s": statistics.median(publishes),
         "publish_peak_tensor_bytes": max(peaks),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "parameters": sum(p.numel() for p in learner.policy.model.parameters())
-        * (world if sharding == "fsdp" else 1),
+        "parameters": sum(p.numel() for p in learner.policy.model.parameters()),  # global
     }
     del learner, modules, optimizers
     leave_process_group()
