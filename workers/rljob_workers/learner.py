@@ -15,9 +15,14 @@ go. One ``update``:
    terms, gradient clipping and the optimizer step.
 
 Aggregation is global: each minibatch's loss is divided by the token (or sequence) count of all
-ranks together, so DDP's gradient average equals the gradient of the whole minibatch. A
-minibatch without a single token on any rank is skipped (no optimizer step, no version); a rank
-without rows in a minibatch that others have still joins the backward pass with a zero loss.
+ranks together, so the gradient average of DDP or FSDP2 equals the gradient of the whole
+minibatch. A minibatch is split into micro-batches under ``trainer.micro_batch_tokens`` whose
+gradients accumulate; each is divided by the same global count, so the split changes nothing but
+memory. Every rank runs as many micro-batches as the busiest one (sharded forwards are
+collectives): a minibatch without a single token on any rank is skipped (no optimizer step, no
+version); a rank without rows in a minibatch that others have still runs forward and backward on
+a one-token dummy with zero weight. The models' layout (FSDP2 shards or DDP replicas, fp32
+masters with the forward in ``model.dtype``) is ``rljob_workers.sharding``'s.
 """
 
 from __future__ import annotations
