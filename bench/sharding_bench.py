@@ -10,8 +10,9 @@ Side by side in one run, for the tiny test model and a ~100M-parameter random-in
    its shard) beside ``torch.save`` / ``torch.load`` of the full state by rank 0 (the first
    release's way);
 4. ``publish``: the full weights streamed out for the rollouts (``PolicyModel.named_weights``,
-   gathered tensor by tensor from the shards, copied into a send buffer as the weight server
-   does) beside the same from a full replica, and the most bytes of gathered tensors alive at once.
+   gathered in buckets from the shards, copied into a send buffer as the weight server does)
+   beside the same from a full replica; and, for the 100M model, the sending rank's peak RSS
+   growth while streaming (a fresh pair of ranks per bucket size, ``--buckets``).
 
 Usage: ``.venv/bin/python -m bench.sharding_bench [--sizes tiny,100M] [--repeat 5]``; writes
 ``bench/results/sharding_bench.{json,png}``.
@@ -213,7 +214,73 @@ def _stream_weights(policy: Any, rank: int) -> int:
     return peak
 
 
+def gather_main(model: Path, out: Path, bucket_mib: int) -> None:
+    """One fsdp rank that only loads, shards and streams the weights out in buckets of
+    ``bucket_mib``: the peak RSS growth while streaming (sampled every millisecond; large
+    allocations are mmapped, so a free shows) is the sending rank's extra memory."""
+    import threading
+
+    import torch.distributed as dist
+
+    from rljob_workers.ddp import init_process_group_from_env, leave_process_group
+    from rljob_workers.learner import build_learner
+
+    torch.set_num_threads(1)
+    init_process_group_from_env("gloo", timeout_s=600)
+    rank = dist.get_rank()
+    learner = build_learner(_config(model, out, "fsdp"), pad_id=0, rank=rank, world_size=2)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * page
+
+    dist.barrier()
+    base, peak, done = rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    largest = 0
+    for _name, tensor in learner.policy.named_weights(
+        torch.bfloat16, bucket_bytes=bucket_mib * 2**20
+    ):
+        largest = max(largest, tensor.numel() * tensor.element_size())
+        if rank == 0:
+            torch.empty_like(tensor).copy_(tensor)  # the sender's copy into its buffer
+        del tensor
+    done.set()
+    sampler.join()
+    total = sum(t.numel() * 2 for t in learner.policy.model.parameters())
+    del learner
+    leave_process_group()
+    body = {
+        "bucket_mib": bucket_mib,
+        "peak_extra_bytes": peak[0] - base,
+        "largest_tensor_bytes": largest,
+        "model_bytes_bf16": total,
+    }
+    (out / f"gather-rank{rank}-{bucket_mib}.json").write_text(json.dumps(body))
+
+
 def _launch(model: Path, out: Path, sharding: str, repeat: int) -> list[dict[str, Any]]:
+    _run_ranks(["--rank-worker", str(model), str(out), sharding, str(repeat)], sharding)
+    return [json.loads((out / f"rank{r}-{sharding}.json").read_text()) for r in range(2)]
+
+
+def _gather_peaks(model: Path, out: Path, buckets: list[int]) -> list[dict[str, Any]]:
+    results = []
+    for bucket in buckets:
+        _run_ranks(["--gather-worker", str(model), str(out), str(bucket)], f"gather {bucket}")
+        results.append(json.loads((out / f"gather-rank0-{bucket}.json").read_text()))
+    return results
+
+
+def _run_ranks(args: list[str], what: str) -> None:
+    """Two ranks of this module (``args`` picks the worker) on 127.0.0.1."""
     from rljob_workers.ports import free_port
 
     port = str(free_port())
@@ -226,22 +293,13 @@ def _launch(model: Path, out: Path, sharding: str, repeat: int) -> list[dict[str
             "RANK": str(rank),
             "WORLD_SIZE": "2",
             "OMP_NUM_THREADS": "1",
+            "MALLOC_MMAP_THRESHOLD_": "65536",  # large buffers are mmapped: a free lowers RSS
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.sharding_bench",
-            "--rank-worker",
-            str(model),
-            str(out),
-            sharding,
-            str(repeat),
-        ]
+        cmd = [sys.executable, "-m", "bench.sharding_bench", *args]
         procs.append(subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[1]))
     for proc in procs:
         if proc.wait() != 0:
-            raise SystemExit(f"a {sharding} rank failed (exit {proc.returncode})")
-    return [json.loads((out / f"rank{r}-{sharding}.json").read_text()) for r in range(2)]
+            raise SystemExit(f"a {what} rank failed (exit {proc.returncode})")
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
@@ -282,9 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         model, out, sharding, repeat = args_in[1:5]
         rank_main(Path(model), Path(out), sharding, int(repeat))
         return 0
+    if args_in[:1] == ["--gather-worker"]:
+        model, out, bucket = args_in[1:4]
+        gather_main(Path(model), Path(out), int(bucket))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,100M")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--buckets", default="16,64,256", help="MiB, for the streaming peak")
     args = parser.parse_args(args_in)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sharding-bench-") as tmp:
@@ -297,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
                 _log(f"{size}: {sharding} at 2 ranks, {args.repeat} repeats")
                 ranks = _launch(model, folder, sharding, args.repeat)
                 results[size][sharding] = {**ranks[0], "ranks": ranks}
+            if size != "tiny":
+                _log(f"{size}: streaming the weights out of fsdp shards, buckets {args.buckets}")
+                buckets = [int(b) for b in args.buckets.split(",")]
+                results[size]["gather"] = _gather_peaks(model, folder, buckets)
             # the first release's full-state save, measured on the ddp run
             results[size]["fsdp"]["full_save_s"] = results[size]["ddp"]["full_save_s"]
             results[size]["fsdp"]["full_load_s"] = results[size]["ddp"]["full_load_s"]
@@ -339,6 +406,14 @@ def render_table(results: dict[str, Any]) -> str:
             f"{f['save_s'] / d['save_s']:.2f}x | {f['load_s'] / d['load_s']:.2f}x | | "
             f"{f['publish_s'] / d['publish_s']:.2f}x | |"
         )
+    for size, layouts in results.items():
+        for row in layouts.get("gather", []):
+            lines.append(
+                f"\n{size} fsdp rank 0 streaming the weights out in {row['bucket_mib']} MiB "
+                f"buckets: peak extra RSS {row['peak_extra_bytes'] / 2**20:.0f} MiB (largest "
+                f"tensor {row['largest_tensor_bytes'] / 2**20:.0f} MiB, whole model in bf16 "
+                f"{row['model_bytes_bf16'] / 2**20:.0f} MiB)"
+            )
     return "\n".join(lines) + "\n"
 
 

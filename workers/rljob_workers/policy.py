@@ -350,9 +350,10 @@ class PolicyModel(nn.Module):
 
         Sharded parameters are gathered in buckets of ``bucket_bytes`` (a collective: every rank
         of the group must iterate in step), so no rank holds the whole model beyond its shard.
-        ``dtype`` casts each tensor before the gather (the engine's dtype: half the bytes of the
-        fp32 masters). Unsharded tensors are detached views of the live parameters unless cast:
-        an engine that keeps them must copy. Tied weights appear once, under their first name.
+        ``dtype`` casts each shard as it is packed for the gather (the engine's dtype: half the
+        bytes of the fp32 masters). Unsharded tensors are detached views of the live parameters
+        unless cast: an engine that keeps them must copy. Tied weights appear once, under their
+        first name.
         """
         seen: set[int] = set()
 
@@ -361,9 +362,9 @@ class PolicyModel(nn.Module):
                 if id(tensor) in seen:  # the same object on every rank: ranks skip in step
                     continue
                 seen.add(id(tensor))
-                yield name, tensor.detach() if dtype is None else tensor.detach().to(dtype)
+                yield name, tensor.detach()
 
-        yield from gather_full_tensors(local(), bucket_bytes=bucket_bytes)
+        yield from gather_full_tensors(local(), bucket_bytes=bucket_bytes, dtype=dtype)
 
 
 class ValueModel(nn.Module):

@@ -15,6 +15,7 @@ learning rate of 1e-6 round most updates away. ``float16`` compute is refused (n
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -181,28 +182,38 @@ def full_tensor(tensor: Tensor) -> Tensor:
 
 
 def gather_full_tensors(
-    items: Iterable[tuple[str, Tensor]], *, bucket_bytes: int
+    items: Iterable[tuple[str, Tensor]],
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """``(name, whole tensor)`` for every ``(name, tensor)``: FSDP2 shards (dim-0 ``DTensor``s
-    over the whole group) are gathered a bucket of up to ``bucket_bytes`` at a time with one
-    all-gather per bucket; other tensors pass through. A collective: every rank iterates the
-    same items in the same order. At most about two buckets (the gathered buffer and the
-    tensors cut from it; one tensor when it alone is larger) exist beyond the shards."""
+    """``(name, whole tensor)`` for every ``(name, tensor)``, cast to ``dtype`` if given.
+
+    FSDP2 shards (dim-0 ``DTensor``s over the whole group) are gathered a bucket of up to
+    ``bucket_bytes`` (in ``dtype``) at a time with one all-gather per bucket; each shard is cast
+    while it is packed, so the gather moves ``dtype`` bytes. Other tensors pass through. A
+    collective: every rank iterates the same items in the same order. Beyond the shards a rank
+    holds its packed share of the bucket, the gathered bucket and the tensor being cut from it
+    (and whatever of earlier tensors the caller keeps).
+    """
     bucket: list[tuple[str, Tensor]] = []
     size = 0
+    wire: torch.dtype | None = None
     for name, tensor in items:
         if not _dim0_sharded(tensor):
-            yield from _gather_bucket(bucket)
+            yield from _gather_bucket(bucket, wire)
             bucket, size = [], 0
-            yield name, full_tensor(tensor)
+            full = full_tensor(tensor)
+            yield name, full if dtype is None else full.to(dtype)
             continue
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > bucket_bytes or bucket[0][1].dtype != tensor.dtype):
-            yield from _gather_bucket(bucket)
+        kind = dtype or tensor.dtype
+        nbytes = tensor.numel() * kind.itemsize
+        if bucket and (size + nbytes > bucket_bytes or kind != wire):
+            yield from _gather_bucket(bucket, wire)
             bucket, size = [], 0
         bucket.append((name, tensor))
-        size += nbytes
-    yield from _gather_bucket(bucket)
+        size, wire = size + nbytes, kind
+    yield from _gather_bucket(bucket, wire)
 
 
 def _dim0_sharded(tensor: Tensor) -> bool:
@@ -215,27 +226,35 @@ def _dim0_sharded(tensor: Tensor) -> bool:
     return bool(placements[0] == Shard(0) and mesh.size() == dist.get_world_size())
 
 
-def _gather_bucket(bucket: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    if not bucket:
+def _gather_bucket(
+    bucket: list[tuple[str, Tensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, Tensor]]:
+    if not bucket or dtype is None:
         return
-    world = dist.get_world_size()
-    local = [_local(t).reshape(-1) for _, t in bucket]
+    world, rank = dist.get_world_size(), dist.get_rank()
     rows = [_chunk_rows(int(t.shape[0]), world) for _, t in bucket]
-    inner = [t[0].numel() if t.dim() > 1 else 1 for _, t in bucket]
+    inner = [math.prod(t.shape[1:]) for _, t in bucket]  # no DTensor indexing: no collective
     per_rank = [sum(r[k] * n for r, n in zip(rows, inner, strict=True)) for k in range(world)]
     width = max(per_rank)
-    mine = torch.zeros(width, dtype=local[0].dtype, device=local[0].device)
-    flat = torch.cat(local)
-    mine[: flat.numel()] = flat
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    device = _local(bucket[0][1]).device
+    mine = torch.zeros(width, dtype=dtype, device=device)
+    offset = 0
+    for (_, tensor), counts, n in zip(bucket, rows, inner, strict=True):
+        count = counts[rank] * n
+        mine[offset : offset + count].copy_(_local(tensor).reshape(-1))  # cast while packing
+        offset += count
+    gathered = torch.empty(world, width, dtype=dtype, device=device)
+    dist.all_gather(list(gathered.unbind(0)), mine)
+    del mine
     offsets = [0] * world
     for (name, tensor), counts, n in zip(bucket, rows, inner, strict=True):
-        pieces = []
+        whole = torch.empty(tuple(tensor.shape), dtype=dtype, device=device)
+        flat, start = whole.view(-1), 0
         for k in range(world):
-            pieces.append(gathered[k][offsets[k] : offsets[k] + counts[k] * n])
-            offsets[k] += counts[k] * n
-        yield name, torch.cat(pieces).view(tensor.shape)
+            count = counts[k] * n
+            flat[start : start + count].copy_(gathered[k, offsets[k] : offsets[k] + count])
+            start, offsets[k] = start + count, offsets[k] + count
+        yield name, whole
 
 
 def _chunk_rows(dim0: int, world: int) -> list[int]:
