@@ -30,14 +30,17 @@ def run_ranks(
     args: tuple[str, ...] = (),
     timeout: float = 300,
     expect_success: bool = True,
+    env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``python script out_dir *args`` as ``world`` gloo ranks on 127.0.0.1; return what
-    each saved in ``rank<r>.pt`` (with ``expect_success=False``: the exit codes)."""
+    each saved in ``rank<r>.pt`` (with ``expect_success=False``: the exit codes); ``env`` adds
+    to each rank's environment."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {
+        rank_env = {
             **os.environ,
+            **(env or {}),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
@@ -49,7 +52,7 @@ def run_ranks(
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
         cmd = [sys.executable, script, str(out_dir), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(cmd, env=rank_env, stderr=subprocess.PIPE, text=True))
     codes = []
     for proc in procs:
         try:

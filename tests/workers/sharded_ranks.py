@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,11 @@ from rljob_workers.ddp import (
     needs_process_group,
 )
 from rljob_workers.learner import Experience, Learner, build_learner
+from rljob_workers.memprobe import peak_anon_growth
 from rljob_workers.sharding import local_state_bytes
+from rljob_workers.trainer_worker import publish_weights
+from rljob_workers.weightsync import TensorSpec, WeightClient, WeightServer
+from rljob_workers.weightsync.codec import build_payload, start_stream
 
 GROUPS = 4
 N = 2
@@ -142,8 +147,63 @@ def run_scenario(
         )
         result["params"] = full_params(learner)
         result["next_loss"] = step(learner, 1)
+    elif scenario == "publish":
+        result.update(publish_from_shards(learner, out, rank))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+    return result
+
+
+PUBLISH_BUCKET = 1 << 20
+TOKEN = "publish-test-token"
+
+
+def publish_from_shards(learner: Learner, out: Path, rank: int) -> dict[str, Any]:
+    """Rank 0 publishes the bf16 weights over HTTP as the trainer does (``publish_weights``:
+    from the shards into a spooled ``WeightServer``) and, for contrast, as it did before (the whole
+    model gathered into a dict, then published from memory); the peak anonymous memory growth
+    of each on the sending rank, what a client then fetches, and fp8 payload bytes built from
+    the shards (scales from ``weight_amax``) and from the gathered model."""
+    policy, dtype = learner.policy, torch.bfloat16
+    specs = [TensorSpec(*spec) for spec in policy.weight_specs(dtype)]
+    result: dict[str, Any] = {}
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        return policy.named_weights(dtype, bucket_bytes=PUBLISH_BUCKET)
+
+    # fp8 from the shards: the scales come from an all-reduce of local extremes
+    amax = policy.weight_amax(dtype)
+    pending = start_stream(1, specs, "fp8", amax=amax)
+    pending.fill(weights())
+    whole = {name: tensor.clone() for name, tensor in weights()}
+    if rank == 0:
+        result["fp8_streamed"] = pending.payload.to_bytes()
+        result["fp8_whole"] = build_payload(1, whole, "fp8").to_bytes()
+        result["whole"] = whole
+        result["largest_bytes"] = max(t.numel() * t.element_size() for t in whole.values())
+        result["model_bytes"] = sum(t.numel() * t.element_size() for t in whole.values())
+    del pending, whole
+
+    spooled = WeightServer(TOKEN, spool_dir=out / "spool").start() if rank == 0 else None
+    in_memory = WeightServer(TOKEN).start() if rank == 0 else None
+
+    def stream() -> None:  # the trainer's publish
+        publish_weights(policy, spooled, 1, dtype=dtype, bucket_bytes=PUBLISH_BUCKET, sharded=True)
+
+    def gather_then_publish() -> None:
+        gathered = dict(weights())
+        if in_memory is not None:
+            in_memory.publish(1, gathered)
+
+    result["streamed_peak"] = peak_anon_growth(stream)[0]
+    result["whole_peak"] = peak_anon_growth(gather_then_publish)[0]
+    if spooled is not None and in_memory is not None:
+        received = WeightClient(spooled.url, TOKEN).fetch_latest()
+        assert received is not None
+        result["received"] = dict(received.named_tensors())
+        result["spool_files"] = sorted(p.name for p in (out / "spool").iterdir())
+        spooled.close()
+        in_memory.close()
     return result
 
 

@@ -231,6 +231,46 @@ def test_one_rank_with_cpu_offload_is_sharded_and_trains_like_a_replica(tiny_mod
     torch.testing.assert_close(offloaded["params"], replica["params"], rtol=1e-4, atol=1e-5)
 
 
+# ------------------------------------------------------------------ weights out of shards
+
+
+def test_http_publish_from_shards_holds_a_bucket_and_a_tensor_not_the_model(tmp_path):
+    """Rank 0 of 2 fsdp ranks publishes bf16 weights as the trainer does: its anonymous memory
+    grows by one gather bucket plus the largest tensor (plus gloo's own flat copy of the
+    bucket: NCCL gathers in place), while the served version lives in an unlinked spool file.
+    The probe is checked on the previous way (the whole model gathered into a dict, then copied
+    into the server's memory), which it must see as at least the model.
+
+    glibc's mmap threshold is fixed at 64 KiB in the ranks, so a freed buffer leaves RSS at
+    once: otherwise RSS shows the heap's high-water mark, which fragmentation inflates."""
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "wide", seed=1, hidden_size=512, num_layers=6)
+    folder = _write_config(tmp_path / "run", model, dtype="bfloat16", sharding="fsdp")
+    sender, _ = run_ranks(
+        RANKS_SCRIPT,
+        folder,
+        "publish",
+        world=2,
+        args=("publish", "fsdp"),
+        env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
+    from tests.workers.sharded_ranks import PUBLISH_BUCKET
+
+    bound = PUBLISH_BUCKET + sender["largest_bytes"]
+    gloo = PUBLISH_BUCKET  # gloo's flat gather buffer
+    slack = 1 << 20  # the interpreter, the HTTP thread, sampling
+    assert sender["model_bytes"] > 4 * (bound + gloo + slack)  # a model the bound tells apart
+    assert sender["whole_peak"] >= sender["model_bytes"]  # the probe sees the old way
+    assert sender["streamed_peak"] <= bound + gloo + slack, (sender["streamed_peak"], bound)
+    # the served version is what was gathered, byte for byte, and left no file behind
+    assert sender["spool_files"] == []
+    assert sender["received"].keys() == sender["whole"].keys()
+    for name, tensor in sender["whole"].items():
+        assert torch.equal(sender["received"][name], tensor), name
+    # fp8 scales from the shards' extremes (one all-reduce) equal those of the whole tensors
+    assert sender["fp8_streamed"] == sender["fp8_whole"]
+
+
 def _one_layer_bytes(model: Path) -> int:
     config = json.loads((model / "config.json").read_text())
     h, i = config["hidden_size"], config["intermediate_size"]

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch import Tensor, nn
+from torch import Size, Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rljob_workers.algos import entropy_from_logits
-from rljob_workers.sharding import gather_full_tensors
+from rljob_workers.sharding import gather_full_tensors, global_amax
 
 __all__ = [
     "LOGIT_CHUNK_TOKENS",
@@ -355,16 +355,27 @@ class PolicyModel(nn.Module):
         unless cast: an engine that keeps them must copy. Tied weights appear once, under their
         first name.
         """
+        yield from gather_full_tensors(self._weights(), bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def weight_specs(self, dtype: torch.dtype | None = None) -> list[tuple[str, Size, torch.dtype]]:
+        """``(name, full shape, dtype)`` of what ``named_weights(dtype)`` yields, in its order,
+        without gathering anything (a sharded parameter knows its whole shape)."""
+        return [(name, tensor.shape, dtype or tensor.dtype) for name, tensor in self._weights()]
+
+    def weight_amax(self, dtype: torch.dtype | None = None) -> dict[str, float]:
+        """``max |x|`` of each tensor ``named_weights(dtype)`` yields, from the local shards and
+        one all-reduce (a collective when sharded), without gathering the tensors."""
+        return global_amax(self._weights(), dtype=dtype)
+
+    def _weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The state dict's tensors (local shards when sharded), each once: tied weights appear
+        under their first name; the same on every rank, so ranks iterate in step."""
         seen: set[int] = set()
-
-        def local() -> Iterator[tuple[str, Tensor]]:
-            for name, tensor in self.model.state_dict(keep_vars=True).items():
-                if id(tensor) in seen:  # the same object on every rank: ranks skip in step
-                    continue
-                seen.add(id(tensor))
-                yield name, tensor.detach()
-
-        yield from gather_full_tensors(local(), bucket_bytes=bucket_bytes, dtype=dtype)
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield name, tensor.detach()
 
 
 class ValueModel(nn.Module):

@@ -192,9 +192,11 @@ def gather_full_tensors(
     FSDP2 shards (dim-0 ``DTensor``s over the whole group) are gathered a bucket of up to
     ``bucket_bytes`` (in ``dtype``) at a time with one all-gather per bucket; each shard is cast
     while it is packed, so the gather moves ``dtype`` bytes. Other tensors pass through. A
-    collective: every rank iterates the same items in the same order. Beyond the shards a rank
-    holds its packed share of the bucket, the gathered bucket and the tensor being cut from it
-    (and whatever of earlier tensors the caller keeps).
+    collective: every rank iterates the same items in the same order. Each rank packs its
+    shards straight into its own row of the gathered bucket (an in-place all-gather), so beyond
+    the shards a rank holds the gathered bucket and the tensor being cut from it (and whatever
+    of earlier tensors the caller keeps): at most one bucket plus the largest tensor. (gloo
+    gathers through a flat buffer of its own as large as the bucket; NCCL writes in place.)
     """
     bucket: list[tuple[str, Tensor]] = []
     size = 0
@@ -214,6 +216,40 @@ def gather_full_tensors(
         bucket.append((name, tensor))
         size, wire = size + nbytes, kind
     yield from _gather_bucket(bucket, wire)
+
+
+def global_amax(
+    items: Iterable[tuple[str, Tensor]], *, dtype: torch.dtype | None = None
+) -> dict[str, float]:
+    """``max |x|`` of every whole tensor (cast to ``dtype`` if given), from each rank's local
+    shard: one ``aminmax`` per shard, then one MAX all-reduce of all of them when any tensor is
+    sharded (a collective: every rank passes the same items). A tensor holding a non-finite
+    value reads ``inf``. Rounding to ``dtype`` is monotonic, so the extremes of the cast tensor
+    are the cast extremes: nothing is cast but the results.
+    """
+    names: list[str] = []
+    extremes: list[Tensor] = []
+    sharded = False
+    device = None
+    for name, tensor in items:
+        local = _local(tensor)
+        sharded = sharded or _dim0_sharded(tensor)
+        device = device or local.device
+        if local.numel() and local.is_floating_point():
+            low, high = torch.aminmax(local)
+            extremes.append(torch.stack([-low.float(), high.float()]).to(device).max())
+        else:
+            extremes.append(torch.zeros((), device=device))
+        names.append(name)
+    if not names:
+        return {}
+    values = torch.stack(extremes)
+    values = torch.where(torch.isfinite(values), values, torch.full_like(values, math.inf))
+    if sharded:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    if dtype is not None:
+        values = values.to(dtype).float()
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def _dim0_sharded(tensor: Tensor) -> bool:
@@ -237,14 +273,15 @@ def _gather_bucket(
     per_rank = [sum(r[k] * n for r, n in zip(rows, inner, strict=True)) for k in range(world)]
     width = max(per_rank)
     device = _local(bucket[0][1]).device
-    mine = torch.zeros(width, dtype=dtype, device=device)
-    offset = 0
+    # in place: this rank packs its shards straight into its own row of the gathered bucket
+    gathered = torch.empty(world, width, dtype=dtype, device=device)
+    mine, offset = gathered[rank], 0
     for (_, tensor), counts, n in zip(bucket, rows, inner, strict=True):
         count = counts[rank] * n
         mine[offset : offset + count].copy_(_local(tensor).reshape(-1))  # cast while packing
         offset += count
-    gathered = torch.empty(world, width, dtype=dtype, device=device)
-    dist.all_gather(list(gathered.unbind(0)), mine)
+    mine[offset:].zero_()
+    dist.all_gather_into_tensor(gathered.view(-1), mine)
     del mine
     offsets = [0] * world
     for (name, tensor), counts, n in zip(bucket, rows, inner, strict=True):

@@ -33,12 +33,14 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from rljob_workers.algos import MAX_SAMPLING_ROUNDS
@@ -58,16 +60,17 @@ from rljob_workers.ddp import global_sum, trainer_process_group
 from rljob_workers.export import export_trained_policy
 from rljob_workers.learner import Experience, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
-from rljob_workers.policy import pad_token_id
+from rljob_workers.policy import PolicyModel, pad_token_id
 from rljob_workers.sharding import COMPUTE_DTYPES
 from rljob_workers.staleness import StalenessAccounting, effective_max_versions
 from rljob_workers.transport import ExperienceServer, token_from_env
-from rljob_workers.weightsync import WeightServer
+from rljob_workers.weightsync import PublishReport, TensorSpec, WeightServer
 
 __all__ = [
     "TrainerWorker",
     "experience_of",
     "group_batch",
+    "publish_weights",
     "run_trainer_process",
     "serving_host",
     "shard_groups",
@@ -152,6 +155,9 @@ class _Servers:
             compression=config.weight_sync.compression,
             host=host,
             port=config.endpoints.weights_port,
+            # the served version lives in an unlinked file under $TMPDIR (the pod's scratch
+            # emptyDir), not in this process's memory: a publish from shards holds a bucket
+            spool_dir=tempfile.gettempdir(),
         )
         self.experience.set_policy_version(version)
         self.control = ControlWatcher.beside(env.config_path)
@@ -431,18 +437,18 @@ class TrainerWorker:
 
     def _publish(self, stepped_wall: float | None = None) -> dict[str, Any]:
         """Rank 0: publish the weights as ``self.version`` and announce the version (under
-        fsdp every rank calls it: the full tensors are gathered from the shards one by one)."""
-        weights = self.policy.named_weights(
-            COMPUTE_DTYPES[self.config.model.dtype],
-            bucket_bytes=self.config.weight_sync.bucket_mib * 2**20,
-        )
-        if self.servers is None:
-            if self.learner.layout.fsdp:  # gathering a shard is a collective: take part
-                for _ in weights:
-                    pass
-            return {}
+        fsdp every rank calls it: ``publish_weights`` gathers from the shards)."""
         started = time.perf_counter()
-        report = self.servers.weights.publish(self.version, dict(weights))
+        report = publish_weights(
+            self.policy,
+            None if self.servers is None else self.servers.weights,
+            self.version,
+            dtype=COMPUTE_DTYPES[self.config.model.dtype],
+            bucket_bytes=self.config.weight_sync.bucket_mib * 2**20,
+            sharded=self.learner.layout.fsdp,
+        )
+        if self.servers is None or report is None:
+            return {}
         self.servers.experience.set_policy_version(self.version)
         record_published_version(self.config.checkpoint.dir, self.version)
         if stepped_wall is not None:
@@ -575,6 +581,35 @@ class TrainerWorker:
         if self.servers is not None:
             self.servers.close()
         self.reporter.close()
+
+
+def publish_weights(
+    policy: PolicyModel,
+    server: WeightServer | None,
+    version: int,
+    *,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    sharded: bool,
+) -> PublishReport | None:
+    """Publish ``policy``'s weights in ``dtype`` as ``version`` on ``server`` (rank 0; None on
+    the other ranks, which with ``sharded`` take part in each bucket's all-gather).
+
+    The full tensors are gathered from the shards a bucket of ``bucket_bytes`` at a time and
+    written to the server's store one by one: no rank holds the whole model. fp8 scales go in
+    the payload's header, before any tensor, so each tensor's ``max |x|`` comes from the shards
+    first (one all-reduce: every sharded rank takes part whatever rank 0's live compression).
+    """
+    fp8 = server is not None and server.compression == "fp8"
+    amax = policy.weight_amax(dtype) if fp8 or sharded else None
+    weights = policy.named_weights(dtype, bucket_bytes=bucket_bytes)
+    if server is None:
+        if sharded:  # gathering a shard is a collective: take part
+            for _ in weights:
+                pass
+        return None
+    specs = [TensorSpec(*spec) for spec in policy.weight_specs(dtype)]
+    return server.publish_stream(version, specs, weights, amax=amax)
 
 
 def _format_step(record: dict[str, Any], total_steps: int) -> str:

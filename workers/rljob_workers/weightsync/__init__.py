@@ -3,8 +3,9 @@
 Three paths, one payload format (``codec``: safetensors + version metadata, optional ``bf16`` /
 ``fp8`` compression):
 
-- ``httpsync``: ``WeightServer.publish`` in the trainer, ``WeightClient.fetch_latest`` (long-poll)
-  in each rollout — elastic: a late joiner gets the latest version at once;
+- ``httpsync``: ``WeightServer.publish`` / ``publish_stream`` (from shards) in the trainer,
+  ``WeightClient.fetch_latest`` (long-poll) in each rollout — elastic: a late joiner gets the
+  latest version at once;
 - ``filesync``: ``publish_to_dir`` / ``load_latest`` on a shared volume, atomic renames;
 - ``broadcast``: ``broadcast_weights`` over a torch.distributed group (NCCL on GPU, gloo on CPU).
 
@@ -17,6 +18,8 @@ from rljob_workers.weightsync.codec import (
     COMPRESSIONS,
     Compression,
     DecodedWeights,
+    SpoolFile,
+    TensorSpec,
     decode_weights,
     encode_weights,
 )
@@ -41,6 +44,8 @@ __all__ = [
     "DecodedWeights",
     "PublishReport",
     "ReceivedWeights",
+    "SpoolFile",
+    "TensorSpec",
     "WeightClient",
     "WeightServer",
     "broadcast_weights",

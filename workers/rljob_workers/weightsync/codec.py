@@ -39,13 +39,17 @@ from __future__ import annotations
 import io
 import json
 import math
+import mmap
+import os
 import struct
 import sys
+import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -56,7 +60,9 @@ __all__ = [
     "DecodedWeights",
     "FillProgress",
     "PendingPayload",
+    "SpoolFile",
     "TensorPool",
+    "TensorSpec",
     "WirePayload",
     "build_payload",
     "compress_state",
@@ -69,6 +75,7 @@ __all__ = [
     "read_metadata",
     "read_payload",
     "start_payload",
+    "start_stream",
     "wire_dtype",
 ]
 
@@ -255,7 +262,7 @@ class TensorPool:
     def __init__(self) -> None:
         self._tensors: dict[str, torch.Tensor] = {}
 
-    def take(self, key: str, shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
+    def take(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` for ``key`` (contents undefined)."""
         tensor = self._tensors.get(key)
         if tensor is None or tensor.shape != torch.Size(shape) or tensor.dtype != dtype:
@@ -269,7 +276,7 @@ class TensorPool:
 
 
 def _take(
-    pool: TensorPool | None, key: str, shape: torch.Size | list[int], dtype: torch.dtype
+    pool: TensorPool | None, key: str, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype) if pool is None else pool.take(key, shape, dtype)
 
@@ -375,7 +382,55 @@ def compress_state(
     """
     pending = start_payload(0, state, compression, pool=pool)
     pending.fill()
-    return dict(zip(pending.sources, pending.payload.tensors, strict=True)), pending.scales
+    names = [spec.name for spec in pending.specs]
+    return dict(zip(names, pending.payload.tensors, strict=True)), pending.scales
+
+
+class TensorSpec(NamedTuple):
+    """A tensor of a payload before its values exist: its name, full shape and dtype (the
+    dtype it arrives in, before compression)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SpoolFile:
+    """A payload's wire tensors kept in a file under ``directory`` instead of in memory.
+
+    The file is unlinked as soon as it is created and mapped shared: its pages belong to the
+    page cache (written back to the disk under memory pressure, reclaimable), not to the
+    process's anonymous memory, and nothing is left on disk when the process dies. A publish
+    that reuses the spool (same payload size) writes into pages already mapped. A payload whose
+    tensors would not sit aligned back to back (mixed element sizes in an odd order) is kept
+    in memory instead (``start_stream``).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self._body: torch.Tensor | None = None
+
+    def body(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` tensor of ``nbytes`` bytes backed by this spool's file."""
+        if self._body is None or self._body.numel() != nbytes:
+            # the old mapping is unmapped once no payload views it any more
+            self._body = _mapped_file(self.directory, nbytes)
+        return self._body
+
+
+def _mapped_file(directory: Path, nbytes: int) -> torch.Tensor:
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".rljob-weights-")
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, max(nbytes, 1))
+        mapping = mmap.mmap(fd, max(nbytes, 1))
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]  # the tensor keeps the map
+
+
+Storage = TensorPool | SpoolFile | None
 
 
 @dataclass(frozen=True)
@@ -384,29 +439,58 @@ class PendingPayload:
     (snapshot and compression in one pass per tensor) while readers stream what is ready."""
 
     payload: WirePayload
-    sources: dict[str, torch.Tensor]
+    specs: tuple[TensorSpec, ...]
     scales: dict[str, float]
-    pool: TensorPool | None
+    sources: dict[str, torch.Tensor]
+    scratch: torch.Tensor | None
 
-    def fill(self) -> WirePayload:
-        """Write every wire tensor; on failure the payload's readers are aborted, then raise."""
+    def fill(self, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> WirePayload:
+        """Write every wire tensor from ``tensors`` (``(name, tensor)`` in the specs' order, each
+        on any device; default: the state the payload was started from), one at a time: none
+        is kept once written. On failure the payload's readers are aborted, then it raises."""
         progress = self.payload.progress
         assert progress is not None
-        names, sources = list(self.sources), list(self.sources.values())
+        pieces: list[list[tuple[int, int]]] = [[] for _ in self.specs]
+        for index, start, end in _pieces(self.payload.tensors):
+            pieces[index].append((start, end))
+        written = 0
         try:
-            scratch = _take(self.pool, "#scratch", [_CHUNK], torch.float32) if self.scales else None
-            for index, start, end in _pieces(self.payload.tensors):
-                source = sources[index].reshape(-1)[start:end]
-                packed = self.payload.tensors[index].view(-1)[start:end]
-                if scratch is None or names[index] not in self.scales:
-                    packed.copy_(source)
-                else:
-                    _fp8_encode_into(source, self.scales[names[index]], packed, scratch)
-                progress.advance()
+            for index, (name, tensor) in enumerate(
+                self.sources.items() if tensors is None else tensors
+            ):
+                source = self._check(index, name, tensor)
+                for start, end in pieces[index]:
+                    self._write(name, source.reshape(-1)[start:end], index, start, end)
+                    progress.advance()
+                written = index + 1
+            if written != len(self.specs):
+                raise ValueError(
+                    f"weights payload: {len(self.specs) - written} of {len(self.specs)} tensors "
+                    f"never arrived (first missing: {self.specs[written].name!r})"
+                )
         except BaseException:
             progress.abort()
             raise
         return self.payload
+
+    def _check(self, index: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if index >= len(self.specs) or self.specs[index].name != name:
+            expected = self.specs[index].name if index < len(self.specs) else "no more tensors"
+            raise ValueError(f"weights payload: tensor {index} is {name!r}, expected {expected!r}")
+        spec = self.specs[index]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(
+                f"weights payload: tensor {name!r} arrived as {list(tensor.shape)} "
+                f"{tensor.dtype}, announced as {list(spec.shape)} {spec.dtype}"
+            )
+        return tensor.detach().to("cpu")
+
+    def _write(self, name: str, source: torch.Tensor, index: int, start: int, end: int) -> None:
+        packed = self.payload.tensors[index].view(-1)[start:end]
+        if self.scratch is None or name not in self.scales:
+            packed.copy_(source)
+        else:
+            _fp8_encode_into(source, self.scales[name], packed, self.scratch)
 
 
 def start_payload(
@@ -415,22 +499,80 @@ def start_payload(
     compression: Compression = "none",
     *,
     published_at: float = 0.0,
-    pool: TensorPool | None = None,
+    pool: Storage = None,
 ) -> PendingPayload:
     """The header and (unwritten) wire tensors of ``state`` as ``version``; ``fill()`` writes
     them. Non-finite fp8 inputs and unknown compressions raise here, before anything is sent."""
+    _check_compression(compression)
+    sources = {name: t.detach().to("cpu") for name, t in state.items()}
+    specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in sources.items()]
+    amax = _fp8_amax(sources) if compression == "fp8" else None
+    pending = start_stream(
+        version, specs, compression, amax=amax, published_at=published_at, pool=pool
+    )
+    return PendingPayload(pending.payload, pending.specs, pending.scales, sources, pending.scratch)
+
+
+def start_stream(
+    version: int,
+    specs: Iterable[TensorSpec],
+    compression: Compression = "none",
+    *,
+    amax: Mapping[str, float] | None = None,
+    published_at: float = 0.0,
+    pool: Storage = None,
+) -> PendingPayload:
+    """A payload of the tensors ``specs`` announces, before any of them exists: ``fill(tensors)``
+    then writes them as they come (from shards gathered one bucket at a time, say).
+
+    fp8 needs every floating tensor's ``amax`` (``max |x|``) up front, since the scales are in
+    the header. Wire tensors come from ``pool``: a ``TensorPool``, a ``SpoolFile`` or fresh
+    memory. Non-finite or missing fp8 extremes raise here, before anything is sent.
+    """
+    _check_compression(compression)
+    specs = tuple(TensorSpec(s.name, tuple(int(d) for d in s.shape), s.dtype) for s in specs)
+    scales = {}
+    if compression == "fp8":
+        for spec in specs:
+            if spec.dtype not in _FP8_INPUTS:
+                continue
+            if amax is None or spec.name not in amax:
+                raise ValueError(f"{spec.name}: fp8 needs its amax before the payload starts")
+            scales[spec.name] = _scale_of(float(amax[spec.name]), spec.name)
+    wire_dtypes = [wire_dtype(spec.dtype, compression) for spec in specs]
+    tensors = _wire_tensors(pool, specs, wire_dtypes)
+    header = _header(version, published_at, compression, specs, tensors, scales)
+    payload = WirePayload(version, header, tensors, FillProgress(len(_pieces(tensors))))
+    scratch = None
+    if scales:  # a spool holds wire bytes only: the fp8 scratch is ordinary memory
+        scratch = _take(
+            pool if isinstance(pool, TensorPool) else None, "#scratch", [_CHUNK], torch.float32
+        )
+    return PendingPayload(payload, specs, scales, {}, scratch)
+
+
+def _check_compression(compression: str) -> None:
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
-    sources = {name: t.detach().to("cpu") for name, t in state.items()}
-    scales = _fp8_scales(sources) if compression == "fp8" else {}
-    wire = {
-        name: _take(pool, name, source.shape, wire_dtype(source.dtype, compression))
-        for name, source in sources.items()
-    }
-    header = _header(version, published_at, compression, sources, wire, scales)
-    tensors = tuple(wire.values())
-    payload = WirePayload(version, header, tensors, FillProgress(len(_pieces(tensors))))
-    return PendingPayload(payload, sources, scales, pool)
+
+
+def _wire_tensors(
+    pool: Storage, specs: tuple[TensorSpec, ...], dtypes: list[torch.dtype]
+) -> tuple[torch.Tensor, ...]:
+    """Empty wire tensors: views of one spool file when every tensor lands aligned there,
+    else taken from a pool or fresh memory."""
+    sizes = [math.prod(s.shape) * d.itemsize for s, d in zip(specs, dtypes, strict=True)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    if isinstance(pool, SpoolFile) and all(
+        o % d.itemsize == 0 for o, d in zip(offsets, dtypes, strict=True)
+    ):
+        body = pool.body(sum(sizes))
+        return tuple(
+            body[o : o + n].view(d).view(s.shape)
+            for s, d, o, n in zip(specs, dtypes, offsets, sizes, strict=True)
+        )
+    store = pool if isinstance(pool, TensorPool) else None
+    return tuple(_take(store, s.name, s.shape, d) for s, d in zip(specs, dtypes, strict=True))
 
 
 def _fp8_encode_into(
@@ -454,13 +596,11 @@ def _fp8_encode_into(
     return packed
 
 
-def _fp8_scales(sources: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def _fp8_amax(sources: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``max |x|`` of every floating tensor (one ``aminmax`` each, read back together)."""
     names = [n for n, t in sources.items() if t.dtype in _FP8_INPUTS]
     extremes = torch.stack([_extremes(sources[n]) for n in names]).tolist() if names else []
-    scales = {}
-    for name, (low, high) in zip(names, extremes, strict=True):
-        scales[name] = _scale_of(max(-low, high), name)
-    return scales
+    return {name: max(-low, high) for name, (low, high) in zip(names, extremes, strict=True)}
 
 
 def _extremes(tensor: torch.Tensor) -> torch.Tensor:
@@ -483,7 +623,7 @@ def build_payload(
     compression: Compression = "none",
     *,
     published_at: float = 0.0,
-    pool: TensorPool | None = None,
+    pool: Storage = None,
 ) -> WirePayload:
     """Compress ``state`` (any device) into a ``WirePayload`` for ``version`` (wire tensors
     taken from ``pool`` when given)."""
@@ -494,15 +634,15 @@ def _header(
     version: int,
     published_at: float,
     compression: Compression,
-    sources: Mapping[str, torch.Tensor],
-    wire: Mapping[str, torch.Tensor],
+    specs: tuple[TensorSpec, ...],
+    wire: tuple[torch.Tensor, ...],
     scales: Mapping[str, float],
 ) -> bytes:
     """The safetensors length prefix and JSON header (padded to 8 bytes) for ``wire``."""
     dtypes = {
-        name: str(sources[name].dtype).removeprefix("torch.")
-        for name, tensor in wire.items()
-        if tensor.dtype != sources[name].dtype
+        spec.name: str(spec.dtype).removeprefix("torch.")
+        for spec, tensor in zip(specs, wire, strict=True)
+        if tensor.dtype != spec.dtype
     }
     metadata = {
         "format": "pt",
@@ -514,11 +654,11 @@ def _header(
     }
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for name, tensor in wire.items():
+    for spec, tensor in zip(specs, wire, strict=True):
         if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors code")
+            raise ValueError(f"{spec.name}: dtype {tensor.dtype} has no safetensors code")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {
+        header[spec.name] = {
             "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + size],

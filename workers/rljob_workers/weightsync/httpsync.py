@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar, cast
@@ -49,11 +51,15 @@ from rljob_workers.transport.authhttp import (
 from rljob_workers.weightsync.codec import (
     Compression,
     DecodedWeights,
+    PendingPayload,
+    SpoolFile,
+    Storage,
     TensorPool,
+    TensorSpec,
     WirePayload,
-    raw_nbytes,
     read_payload,
     start_payload,
+    start_stream,
 )
 
 _T = TypeVar("_T")
@@ -93,9 +99,12 @@ class ReceivedWeights:
 class WeightServer:
     """Serve the trainer's latest weights at ``url`` (port 0 picks a free port).
 
-    Publishing snapshots into one of two tensor pools in turn: the one not holding the latest
-    version, when no rollout is still reading the version in it (else into fresh memory), so a
-    steady publish cadence writes into memory that is already mapped.
+    Publishing snapshots into one of two stores in turn: the one not holding the latest
+    version, when no rollout is still reading the version in it (else into a fresh one), so a
+    steady publish cadence writes into memory that is already mapped. The stores are memory,
+    or with ``spool_dir`` unlinked files there (``codec.SpoolFile``): the served version then
+    lives in the page cache, not in the trainer's own memory, and a publish from shards
+    (``publish_stream``) holds no more than the tensor being written.
     """
 
     def __init__(
@@ -106,16 +115,18 @@ class WeightServer:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.time,
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.compression: Compression = compression
         self._clock = clock
+        self._spool_dir = spool_dir
         self._payload: WirePayload | None = None
         self._version: int | None = None
         self._changed = threading.Condition()
         self._publishing = threading.Lock()
-        self._pools = (TensorPool(), TensorPool())
+        self._stores = (self._new_store(), self._new_store())
         self._readers = [0, 0]
-        self._latest_pool: int | None = None
+        self._latest_store: int | None = None
         routes = {
             ("GET", "/v1/weights/latest"): self._latest,
             ("GET", "/v1/weights/version"): self._version_route,
@@ -143,30 +154,71 @@ class WeightServer:
         Rollouts already waiting start receiving while the snapshot is written; this returns
         once it is complete.
         """
+        return self._publish(
+            version,
+            lambda store, now: start_payload(
+                version, state, self.compression, published_at=now, pool=store
+            ),
+            None,
+        )
+
+    def publish_stream(
+        self,
+        version: int,
+        specs: Iterable[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        amax: Mapping[str, float] | None = None,
+    ) -> PublishReport:
+        """Publish ``version`` from tensors that arrive one at a time, as ``specs`` announce
+        them (names, full shapes, dtypes, in order), e.g. gathered from shards a bucket at a
+        time: each is written to the store and dropped before the next is taken. fp8 needs
+        ``amax`` (``max |x|`` of each floating tensor) up front: its scales are in the header.
+        """
+        specs = tuple(specs)
+        return self._publish(
+            version,
+            lambda store, now: start_stream(
+                version, specs, self.compression, amax=amax, published_at=now, pool=store
+            ),
+            tensors,
+        )
+
+    def _publish(
+        self,
+        version: int,
+        start: Callable[[Storage, float], PendingPayload],
+        tensors: Iterable[tuple[str, torch.Tensor]] | None,
+    ) -> PublishReport:
         with self._publishing:
             if self._version is not None and version <= self._version:
                 raise ValueError(f"version: {version} is not newer than published {self._version}")
             with self._changed:
                 index = next(
-                    (i for i in (0, 1) if i != self._latest_pool and self._readers[i] == 0), None
+                    (i for i in (0, 1) if i != self._latest_store and self._readers[i] == 0), None
                 )
-            pool = None if index is None else self._pools[index]
-            start = time.perf_counter()
-            pending = start_payload(
-                version, state, self.compression, published_at=self._clock(), pool=pool
-            )
+            store = self._new_store() if index is None else self._stores[index]
+            begun = time.perf_counter()
+            pending = start(store, self._clock())
             with self._changed:
-                previous = self._payload, self._version, self._latest_pool
-                self._payload, self._version, self._latest_pool = pending.payload, version, index
+                previous = self._payload, self._version, self._latest_store
+                self._payload, self._version, self._latest_store = pending.payload, version, index
                 self._changed.notify_all()
             try:
-                payload = pending.fill()
+                payload = pending.fill(tensors)
             except BaseException:
                 with self._changed:
-                    self._payload, self._version, self._latest_pool = previous
+                    self._payload, self._version, self._latest_store = previous
                 raise
-            encode_ms = (time.perf_counter() - start) * 1000
-        return PublishReport(version, raw_nbytes(state), payload.nbytes, encode_ms)
+            encode_ms = (time.perf_counter() - begun) * 1000
+        raw = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in pending.specs)
+        return PublishReport(version, raw, payload.nbytes, encode_ms)
+
+    def _new_store(self) -> TensorPool | SpoolFile | None:
+        """A store for one version: a spool file, else a pool (kept) or fresh memory (None)."""
+        if self._spool_dir is not None:
+            return SpoolFile(self._spool_dir)
+        return TensorPool()
 
     def start(self) -> WeightServer:
         """Start serving on a background thread; returns self."""
@@ -198,7 +250,7 @@ class WeightServer:
             self._changed.wait_for(
                 lambda: self._newer_than(after) or self._http.closing.is_set(), timeout=wait_s
             )
-            payload, version, index = self._payload, self._version, self._latest_pool
+            payload, version, index = self._payload, self._version, self._latest_store
             if payload is None or version is None or version <= after:
                 return Response(204, headers={"X-RLJob-Version": str(version)})
             if index is not None:
