@@ -11,8 +11,10 @@ Side by side in one run, for the tiny test model and a ~100M-parameter random-in
    release's way);
 4. ``publish``: the full weights streamed out for the rollouts (``PolicyModel.named_weights``,
    gathered in buckets from the shards, copied into a send buffer as the weight server does)
-   beside the same from a full replica; and, for the 100M model, the sending rank's peak RSS
-   growth while streaming (a fresh pair of ranks per bucket size, ``--buckets``).
+   beside the same from a full replica; and, for the 100M model, the sending rank's peak
+   anonymous-memory growth while it publishes over HTTP as the trainer does (into the weight
+   server's spool) beside the whole model gathered then published (a fresh pair of ranks per
+   bucket size, ``--buckets``; ``--publish-only`` reruns just this part).
 
 Usage: ``.venv/bin/python -m bench.sharding_bench [--sizes tiny,100M] [--repeat 5]``; writes
 ``bench/results/sharding_bench.{json,png}``.
@@ -215,55 +217,64 @@ def _stream_weights(policy: Any, rank: int) -> int:
 
 
 def gather_main(model: Path, out: Path, bucket_mib: int) -> None:
-    """One fsdp rank that only loads, shards and streams the weights out in buckets of
-    ``bucket_mib``: the peak RSS growth while streaming (sampled every millisecond; large
+    """One fsdp rank that only loads, shards and publishes the bf16 weights over HTTP, in
+    buckets of ``bucket_mib``, two ways side by side: as the trainer does (``publish_weights``:
+    each gathered tensor written to a spooled ``WeightServer`` and dropped) and as the first
+    sharded release did (the whole model gathered into a dict, then published from memory).
+    Rank 0's peak anonymous-memory growth for each (``memprobe``, sampled every 0.5 ms; large
     allocations are mmapped, so a free shows) is the sending rank's extra memory."""
-    import threading
-
     import torch.distributed as dist
 
     from rljob_workers.ddp import init_process_group_from_env, leave_process_group
     from rljob_workers.learner import build_learner
+    from rljob_workers.weightsync import WeightServer
 
     torch.set_num_threads(1)
     init_process_group_from_env("gloo", timeout_s=600)
     rank = dist.get_rank()
     learner = build_learner(_config(model, out, "fsdp"), pad_id=0, rank=rank, world_size=2)
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * page
-
-    dist.barrier()
-    base, peak, done = rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    largest = 0
-    for _name, tensor in learner.policy.named_weights(
-        torch.bfloat16, bucket_bytes=bucket_mib * 2**20
-    ):
-        largest = max(largest, tensor.numel() * tensor.element_size())
-        if rank == 0:
-            torch.empty_like(tensor).copy_(tensor)  # the sender's copy into its buffer
-        del tensor
-    done.set()
-    sampler.join()
-    total = sum(t.numel() * 2 for t in learner.policy.model.parameters())
+    spooled = WeightServer("bench", spool_dir=out / "spool").start() if rank == 0 else None
+    in_memory = WeightServer("bench").start() if rank == 0 else None
+    measured = _measure_publish(learner.policy, spooled, in_memory, bucket_mib * 2**20)
+    for server in (spooled, in_memory):
+        if server is not None:
+            server.close()
     del learner
     leave_process_group()
-    body = {
-        "bucket_mib": bucket_mib,
-        "peak_extra_bytes": peak[0] - base,
-        "largest_tensor_bytes": largest,
-        "model_bytes_bf16": total,
-    }
+    body = {"bucket_mib": bucket_mib, **measured}
     (out / f"gather-rank{rank}-{bucket_mib}.json").write_text(json.dumps(body))
+
+
+def _measure_publish(policy: Any, spooled: Any, in_memory: Any, bucket: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from rljob_workers.memprobe import peak_anon_growth
+    from rljob_workers.trainer_worker import publish_weights
+
+    def from_shards() -> float:
+        began = time.perf_counter()
+        publish_weights(policy, spooled, 1, dtype=torch.bfloat16, bucket_bytes=bucket, sharded=True)
+        return time.perf_counter() - began
+
+    def whole_then_publish() -> float:
+        began = time.perf_counter()
+        gathered = dict(policy.named_weights(torch.bfloat16, bucket_bytes=bucket))
+        if in_memory is not None:
+            in_memory.publish(1, gathered)
+        return time.perf_counter() - began
+
+    dist.barrier()
+    streamed_peak, streamed_s = peak_anon_growth(from_shards)
+    dist.barrier()
+    whole_peak, whole_s = peak_anon_growth(whole_then_publish)
+    return {
+        "peak_extra_bytes": streamed_peak,
+        "publish_s": streamed_s,
+        "whole_peak_extra_bytes": whole_peak,
+        "whole_publish_s": whole_s,
+        "largest_tensor_bytes": max(t.numel() * 2 for _, t in policy.named_weights(torch.bfloat16)),
+        "model_bytes_bf16": sum(t.numel() * 2 for t in policy.model.parameters()),
+    }
 
 
 def _launch(model: Path, out: Path, sharding: str, repeat: int) -> list[dict[str, Any]]:
@@ -348,7 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="tiny,100M")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--buckets", default="16,64,256", help="MiB, for the streaming peak")
+    parser.add_argument(
+        "--publish-only",
+        action="store_true",
+        help="rerun only the sending rank's publish memory (for --sizes other than tiny) and "
+        "update it in the saved results",
+    )
     args = parser.parse_args(args_in)
+    if args.publish_only:
+        return _publish_only(args.sizes.split(","), [int(b) for b in args.buckets.split(",")])
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sharding-bench-") as tmp:
         for size in args.sizes.split(","):
@@ -380,6 +399,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _publish_only(sizes: list[str], buckets: list[int]) -> int:
+    saved = json.loads((RESULTS / "sharding_bench.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="sharding-bench-") as tmp:
+        for size in sizes:
+            folder = Path(tmp) / size
+            folder.mkdir()
+            model = _build_model(size, folder)
+            _log(f"{size}: publishing the weights out of fsdp shards, buckets {buckets}")
+            saved["results"].setdefault(size, {})["gather"] = _gather_peaks(model, folder, buckets)
+    saved["publish_time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (RESULTS / "sharding_bench.json").write_text(json.dumps(saved, indent=1))
+    print(render_table(saved["results"]), end="")
+    return 0
+
+
 def render_table(results: dict[str, Any]) -> str:
     """Markdown: per size, ddp vs fsdp (rank 0) and the fsdp/ddp ratios."""
     lines = [
@@ -406,14 +440,30 @@ def render_table(results: dict[str, Any]) -> str:
             f"{f['save_s'] / d['save_s']:.2f}x | {f['load_s'] / d['load_s']:.2f}x | | "
             f"{f['publish_s'] / d['publish_s']:.2f}x | |"
         )
-    for size, layouts in results.items():
-        for row in layouts.get("gather", []):
-            lines.append(
-                f"\n{size} fsdp rank 0 streaming the weights out in {row['bucket_mib']} MiB "
-                f"buckets: peak extra RSS {row['peak_extra_bytes'] / 2**20:.0f} MiB (largest "
-                f"tensor {row['largest_tensor_bytes'] / 2**20:.0f} MiB, whole model in bf16 "
-                f"{row['model_bytes_bf16'] / 2**20:.0f} MiB)"
+    gathers = [
+        (size, row) for size, layouts in results.items() for row in layouts.get("gather", [])
+    ]
+    if gathers:
+        lines += [
+            "",
+            "| model | bucket | rank 0 extra memory, from shards to the spool | the whole model "
+            "gathered, then published | ratio | largest tensor | model (bf16) | time, spool vs "
+            "whole |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    for size, row in gathers:
+        streamed, whole = row["peak_extra_bytes"], row.get("whole_peak_extra_bytes")
+        lines.append(
+            f"| {size} | {row['bucket_mib']} MiB | {streamed / 2**20:.0f} MiB | "
+            + (f"{whole / 2**20:.0f} MiB | {streamed / whole:.2f}x | " if whole else "| | ")
+            + f"{row['largest_tensor_bytes'] / 2**20:.0f} MiB | "
+            f"{row['model_bytes_bf16'] / 2**20:.0f} MiB | "
+            + (
+                f"{row['publish_s']:.2f} s vs {row['whole_publish_s']:.2f} s |"
+                if "whole_publish_s" in row
+                else "|"
             )
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -195,7 +195,9 @@ def gather_full_tensors(
     collective: every rank iterates the same items in the same order. Each rank packs its
     shards straight into its own row of the gathered bucket (an in-place all-gather), so beyond
     the shards a rank holds the gathered bucket and the tensor being cut from it (and whatever
-    of earlier tensors the caller keeps): at most one bucket plus the largest tensor. (gloo
+    of earlier tensors the caller keeps): at most one bucket plus the largest tensor. A tensor
+    alone in its bucket (one larger than the bucket) is yielded as a view of the gathered rows
+    where they hold it contiguously, so it costs its own size once. (gloo
     gathers through a flat buffer of its own as large as the bucket; NCCL writes in place.)
     """
     bucket: list[tuple[str, Tensor]] = []
@@ -281,8 +283,13 @@ def _gather_bucket(
         mine[offset : offset + count].copy_(_local(tensor).reshape(-1))  # cast while packing
         offset += count
     mine[offset:].zero_()
-    dist.all_gather_into_tensor(gathered.view(-1), mine)
+    _all_gather_single(gathered.view(-1), mine)
     del mine
+    if len(bucket) == 1 and all(size == width for size in per_rank[:-1]):
+        # one tensor, padded (if at all) only at the end: the gathered rows are the tensor
+        name, tensor = bucket[0]
+        yield name, gathered.view(-1)[: math.prod(tensor.shape)].view(tuple(tensor.shape))
+        return
     offsets = [0] * world
     for (name, tensor), counts, n in zip(bucket, rows, inner, strict=True):
         whole = torch.empty(tuple(tensor.shape), dtype=dtype, device=device)
@@ -292,6 +299,10 @@ def _gather_bucket(
             flat[start : start + count].copy_(gathered[k, offsets[k] : offsets[k] + count])
             start, offsets[k] = start + count, offsets[k] + count
         yield name, whole
+
+
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single (older torch lacks it)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _chunk_rows(dim0: int, world: int) -> list[int]:

@@ -7,6 +7,9 @@ Aspects under test:
 - tensors travel in several buckets when ``bucket_bytes`` is small, and the compressed
   broadcasts move proportionally fewer bytes;
 - a model and a plain state dict are both accepted as the target;
+- the source may stream its tensors (``StreamedWeights``: one at a time, in its own order, not
+  sorted, with fp8 scales from ``amax`` given up front, empty tensors among them): the receiver
+  gets the same weights as from the whole state;
 - mismatched architectures make every rank raise (instead of hanging) with a message.
 
 Each rank is this file run as a script in its own process.
@@ -22,7 +25,8 @@ import torch
 from torch import nn
 
 from rljob_workers.ddp import init_process_group_from_env, leave_process_group
-from rljob_workers.weightsync import broadcast_weights
+from rljob_workers.weightsync import TensorSpec, broadcast_weights
+from rljob_workers.weightsync.broadcast import StreamedWeights
 from tests.workers.gloo_ranks import run_two_ranks
 
 COMPRESSIONS = ("none", "bf16", "fp8")
@@ -55,6 +59,26 @@ def rank_main(out_dir: Path) -> None:
             bucket_bytes=1024,
         )
         results[compression] = {"state": snapshot(model), "report": report}
+    for compression in ("none", "fp8"):
+        model = make_model(seed=20 + rank)
+        state = {"empty": torch.zeros(0, 4), **model.state_dict()}
+        if rank == 0:
+            order = list(reversed(state))  # the sender's order, not the sorted one
+            sent = StreamedWeights(
+                [TensorSpec(n, tuple(state[n].shape), state[n].dtype) for n in order],
+                ((n, state[n].clone()) for n in order),
+                amax={
+                    n: t.abs().max().item()
+                    for n, t in state.items()
+                    if t.is_floating_point() and t.numel()
+                },
+            )
+            report = broadcast_weights(
+                sent, src=0, version=9, compression=compression, bucket_bytes=1024
+            )
+        else:
+            report = broadcast_weights(state, src=0)
+        results[f"streamed-{compression}"] = {"state": snapshot(model), "report": report}
     try:
         broadcast_weights(make_model(seed=rank, width=32 + rank), src=0)
         results["mismatch"] = "no error"
@@ -101,6 +125,19 @@ def test_broadcast_weights_compression_moves_fewer_bytes(ranks) -> None:
     assert wire["none"] >= params * 4 > 1024
     assert wire["bf16"] < wire["none"] * 0.55
     assert wire["fp8"] < wire["none"] * 0.3
+
+
+@pytest.mark.parametrize("compression", ["none", "fp8"])
+def test_broadcast_from_a_stream_equals_the_whole_state(ranks, compression) -> None:
+    source = snapshot(make_model(seed=20))
+    received = ranks[1][f"streamed-{compression}"]["state"]
+    report = ranks[1][f"streamed-{compression}"]["report"]
+
+    assert report.version == 9 and report.compression == compression and report.tensors == 6
+    for name, tensor in source.items():
+        bound = BOUNDS[compression]
+        torch.testing.assert_close(received[name], tensor, rtol=bound, atol=bound * 0.05)
+    assert not torch.allclose(snapshot(make_model(seed=21))["0.weight"], received["0.weight"])
 
 
 def test_broadcast_weights_mismatched_architecture_raises_on_every_rank(ranks) -> None:

@@ -74,6 +74,7 @@ __all__ = [
     "raw_nbytes",
     "read_metadata",
     "read_payload",
+    "scale_of_amax",
     "start_payload",
     "start_stream",
     "wire_dtype",
@@ -214,7 +215,7 @@ def wire_dtype(dtype: torch.dtype, compression: Compression) -> torch.dtype:
 def fp8_scale(tensor: torch.Tensor, name: str = "tensor") -> float:
     """The per-tensor fp8 scale ``amax / 448`` (1.0 for an all-zero or empty tensor)."""
     low, high = _extremes(tensor).tolist()
-    return _scale_of(max(-low, high), name)
+    return scale_of_amax(max(-low, high), name)
 
 
 def compress_tensor(
@@ -538,7 +539,7 @@ def start_stream(
                 continue
             if amax is None or spec.name not in amax:
                 raise ValueError(f"{spec.name}: fp8 needs its amax before the payload starts")
-            scales[spec.name] = _scale_of(float(amax[spec.name]), spec.name)
+            scales[spec.name] = scale_of_amax(float(amax[spec.name]), spec.name)
     wire_dtypes = [wire_dtype(spec.dtype, compression) for spec in specs]
     tensors = _wire_tensors(pool, specs, wire_dtypes)
     header = _header(version, published_at, compression, specs, tensors, scales)
@@ -611,7 +612,8 @@ def _extremes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([low.float(), high.float()])
 
 
-def _scale_of(amax: float, name: str) -> float:
+def scale_of_amax(amax: float, name: str = "tensor") -> float:
+    """The fp8 scale for a tensor whose ``max |x|`` is ``amax``; a non-finite one raises."""
     if not math.isfinite(amax):
         raise ValueError(f"{name}: holds non-finite values and cannot be fp8-compressed")
     return amax / FP8_MAX if amax > 0 else 1.0
