@@ -30,10 +30,12 @@ import signal
 import statistics
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.checkpoint import latest_checkpoint
 from rljob_workers.colocated import build_colocated_runtime, run_colocated
 from rljob_workers.config import (
@@ -224,6 +226,38 @@ def test_dapo_dynamic_sampling_drops_groups_without_signal(tiny_model, tmp_path)
     record = runtime.train_step()
     assert record["dropped_samples"] > 0
     assert record["samples"] <= 16
+
+
+def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
+    tiny_model, tmp_path
+):
+    """Every answer correct, lengths 1..4 so the overlong penalty shapes the scores apart: no
+    group has signal (DAPO filters on accuracy), so every sample counts as dropped."""
+    algorithm = AlgorithmConfig(
+        name="dapo",
+        advantage_estimator="grpo",
+        group_size=4,
+        batch_size=4,
+        mini_batch_size=4,
+        dynamic_sampling=True,
+        overlong=OverlongConfig(enabled=True, max_length=4, cache_length=3),
+    )
+    runtime = build_colocated_runtime(_config(tiny_model, tmp_path, algorithm=algorithm, n=4), ENV)
+    runtime.task = TaskData(runtime.task.prompts, runtime.task.answers, lambda text, answer: 1.0)
+    generate = runtime.engine.generate
+
+    def lengths_one_to_four(prompts, **kwargs):
+        completions = generate(prompts, **kwargs)
+        return [
+            replace(c, token_ids=c.token_ids[: 1 + k % 4], logprobs=c.logprobs[: 1 + k % 4])
+            for k, c in enumerate(completions)
+        ]
+
+    runtime.engine.generate = lengths_one_to_four
+    record = runtime.train_step()
+
+    no_signal = record["dropped_samples"] - record["dropped_nonfinite"]
+    assert no_signal == 16 * MAX_SAMPLING_ROUNDS - 16  # every round's groups, but the fallback
 
 
 def test_colocated_nonfinite_reward_group_left_out_step_stays_finite(tiny_model, tmp_path):

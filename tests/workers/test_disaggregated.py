@@ -295,6 +295,34 @@ def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, 
     assert written["staleness_histogram"] == {"0": 8, "1": 4}
 
 
+def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
+    tiny_model, tmp_path
+):
+    """A group whose answers are all correct has no signal, even when the overlong penalty
+    makes its shaped scores differ: DAPO filters on accuracy, and shapes afterwards."""
+    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=1)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.dump())
+    env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
+    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+    all_correct = [
+        replace(t, reward=1.0 - 0.25 * k, info={**t.info, "task_reward": 1.0})
+        for k, t in enumerate(_synthetic_group("all-correct", 0, prompt))
+    ]
+    worker = TrainerWorker(config, env)
+    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    try:
+        client.send(all_correct, timeout_s=10)
+        client.send(_synthetic_group("signal", 0, prompt), timeout_s=10)
+        record = worker.train_step()
+    finally:
+        client.close()
+        worker.close()
+
+    assert record["dropped"]["no_signal"] == 4
+    assert record["trained_reward_mean"] == 0.25  # the group with signal: one of four correct
+
+
 def test_trainer_ppo_with_gae_trains_its_own_critic(tiny_model, tmp_path):
     # the API accepts ppo on disaggregated (with a correction and a bound): the trainer runs it
     from rljob_workers.main import validate_worker_config

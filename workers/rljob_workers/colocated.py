@@ -313,7 +313,10 @@ class ColocatedRuntime:
             fallback = fallback or valid
             kept = valid
             if algo.dynamic_sampling and len(valid):
-                keep = dynamic_sampling_keep_mask(torch.tensor(valid.scores), group_size=n)
+                # on the task reward (accuracy), not the shaped score: an overlong penalty
+                # sets all-correct answers of different lengths apart, with no real signal
+                rewards = torch.tensor(valid.task_rewards)
+                keep = dynamic_sampling_keep_mask(rewards, group_size=n)
                 collected.no_signal += int((~keep).sum())
                 kept = valid.select([bool(k) for k in keep])
             collected.rollout.extend(kept)

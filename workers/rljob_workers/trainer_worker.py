@@ -94,7 +94,10 @@ def group_batch(trajectories: Sequence[Trajectory], group_size: int) -> list[Gro
 
 
 def _has_signal(group: Group) -> bool:
-    return len({t.reward for t in group}) > 1
+    """DAPO's filter: the group's task rewards (accuracy) differ. Not the shaped scores: an
+    overlong penalty makes all-correct answers of different lengths differ, and keeping such a
+    group would push a correct answer below its group's mean."""
+    return len({_task_reward(t) for t in group}) > 1
 
 
 def _task_reward(trajectory: Trajectory) -> float:

@@ -19,13 +19,14 @@ MAX_SAMPLING_ROUNDS = 4
 
 
 def dynamic_sampling_keep_mask(scores: Tensor, *, group_size: int) -> Tensor:
-    """Which samples to keep: False for every member of a group whose scores are all equal.
+    """Which samples to keep: False for every member of a group whose rewards are all equal.
 
     Such a group (all correct or all wrong) has zero group-relative advantage and so gives no
     gradient; DAPO filters it out and samples more prompts instead.
 
     Args:
-        scores: ``[B]`` sequence scores in contiguous groups of ``group_size``.
+        scores: ``[B]`` task rewards (accuracy, before any shaping such as the overlong
+            penalty, as in the DAPO paper) in contiguous groups of ``group_size``.
         group_size: samples per prompt, ``>= 2``.
 
     Returns:
