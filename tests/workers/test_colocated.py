@@ -212,16 +212,22 @@ def test_colocated_several_minibatches_report_version_lag(tiny_model, tmp_path):
     assert runtime.engine.weights_version == 4
 
 
+def _dapo(**changes) -> AlgorithmConfig:
+    values = {
+        "name": "dapo",
+        "advantage_estimator": "grpo",
+        "group_size": 4,
+        "batch_size": 4,
+        "mini_batch_size": 4,
+        "clip_high": 0.28,
+        "dynamic_sampling": True,
+    }
+    values.update(changes)
+    return AlgorithmConfig(**values)
+
+
 def test_dapo_dynamic_sampling_drops_groups_without_signal(tiny_model, tmp_path):
-    algorithm = AlgorithmConfig(
-        name="dapo",
-        advantage_estimator="grpo",
-        group_size=4,
-        batch_size=4,
-        mini_batch_size=4,
-        clip_high=0.28,
-        dynamic_sampling=True,
-    )
+    algorithm = _dapo()
     runtime = build_colocated_runtime(_config(tiny_model, tmp_path, algorithm=algorithm, n=4), ENV)
     record = runtime.train_step()
     assert record["dropped_samples"] > 0
@@ -233,15 +239,7 @@ def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
 ):
     """Every answer correct, lengths 1..4 so the overlong penalty shapes the scores apart: no
     group has signal (DAPO filters on accuracy), so every sample counts as dropped."""
-    algorithm = AlgorithmConfig(
-        name="dapo",
-        advantage_estimator="grpo",
-        group_size=4,
-        batch_size=4,
-        mini_batch_size=4,
-        dynamic_sampling=True,
-        overlong=OverlongConfig(enabled=True, max_length=4, cache_length=3),
-    )
+    algorithm = _dapo(overlong=OverlongConfig(enabled=True, max_length=4, cache_length=3))
     runtime = build_colocated_runtime(_config(tiny_model, tmp_path, algorithm=algorithm, n=4), ENV)
     runtime.task = TaskData(runtime.task.prompts, runtime.task.answers, lambda text, answer: 1.0)
     generate = runtime.engine.generate
