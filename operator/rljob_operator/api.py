@@ -1580,7 +1580,8 @@ class RLJobStatus(StatusModel):
     dropped_samples: dict[str, int] = Field(
         default_factory=dict,
         description="Trajectories dropped by the trainer's buffer, by reason (stale_version, "
-        "expired, capacity, duplicate), as last reported.",
+        "expired, capacity, duplicate, malformed; no_signal: filtered by DAPO's dynamic "
+        "sampling), as last reported.",
     )
     tokens_per_second: float | None = Field(None, description="Rollout throughput, last reported.")
     reward_mean: float | None = Field(None, description="Mean reward of the last step.")

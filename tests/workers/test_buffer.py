@@ -7,6 +7,8 @@ Aspects under test:
 - a trajectory id is accepted once: redeliveries are dropped and counted, even after a take;
 - take_groups returns only whole groups, contiguous, oldest group first;
 - drop counts by reason; oldest_age; constructor validation;
+- a trajectory without response tokens, or without one log-prob per response token, is
+  dropped as ``malformed`` on add and never served;
 - ``Trajectory`` holds its tokens as numpy arrays: lists are converted once (int32 ids; float32
   log-probs when lossless, else float64, never rounded), arrays of the right dtype are kept
   without a copy, equality compares values exactly, and ids outside int32 or non-integer ids
@@ -45,7 +47,7 @@ def test_buffer_new_buffer_counts_every_reason_at_zero() -> None:
     buffer = ExperienceBuffer(capacity=4)
 
     assert buffer.dropped == dict.fromkeys(DROP_REASONS, 0)
-    assert set(DROP_REASONS) == {"stale_version", "expired", "capacity", "duplicate"}
+    assert set(DROP_REASONS) == {"stale_version", "expired", "capacity", "duplicate", "malformed"}
     assert len(buffer) == 0
 
 
@@ -278,3 +280,19 @@ def test_trajectory_equality_compares_values_exactly() -> None:
     assert lists == arrays
     assert lists != off_by_ulp and lists != dataclasses.replace(lists, info={"k": 2})
     assert len({lists, arrays}) == 2  # hashable by identity, as a buffer entry
+
+
+@pytest.mark.parametrize(
+    ("response", "logprobs"),
+    [([3, 4, 5], [-0.5, -0.5]), ([3], [-0.5, -0.5]), ([], [])],
+    ids=["fewer-logprobs", "more-logprobs", "no-tokens"],
+)
+def test_buffer_malformed_trajectory_dropped_counted_and_never_served(response, logprobs) -> None:
+    buffer = ExperienceBuffer(capacity=4)
+    bad = dataclasses.replace(traj("bad"), response_ids=response, behaviour_logprobs=logprobs)
+
+    assert not buffer.add(bad, now=0.0)
+    assert buffer.add(traj("good"), now=0.0)
+
+    assert buffer.dropped["malformed"] == 1
+    assert ids(buffer.take(4, current_version=0, now=0.0)) == ["good"]

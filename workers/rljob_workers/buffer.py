@@ -11,7 +11,9 @@ Drop reasons, counted in ``ExperienceBuffer.dropped``:
 - ``stale_version``: ``current_version - policy_version > max_staleness_versions``;
 - ``expired``: ``now - created_at > max_age_seconds``;
 - ``capacity``: pushed out (or refused) because the buffer was full and it was the oldest;
-- ``duplicate``: its id was offered before; a redelivered trajectory is never trained twice.
+- ``duplicate``: its id was offered before; a redelivered trajectory is never trained twice;
+- ``malformed``: its response has no tokens, or not one behaviour log-prob per response token
+  (trained on, it would pair log-probs with the wrong tokens).
 
 A trajectory at exactly the staleness or age limit is kept.
 """
@@ -43,7 +45,7 @@ LogProbs = npt.NDArray[np.float32] | npt.NDArray[np.float64]
 """Log-probs as a 1-D float array: float32 when lossless (vLLM's are), else float64."""
 _INT32 = np.iinfo(np.int32)
 
-DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate")
+DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate", "malformed")
 
 
 def is_too_stale(behind: int, max_versions: int | None) -> bool:
@@ -295,6 +297,10 @@ class ExperienceBuffer:
     def _drop_reason(
         self, trajectory: Trajectory, *, current_version: int | None, now: float
     ) -> str | None:
+        if not len(trajectory.response_ids) or len(trajectory.behaviour_logprobs) != len(
+            trajectory.response_ids
+        ):
+            return "malformed"
         limit = self.max_staleness_versions
         behind = None if current_version is None else current_version - trajectory.policy_version
         if behind is not None and is_too_stale(behind, limit):
