@@ -238,7 +238,8 @@ def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
     tiny_model, tmp_path
 ):
     """Every answer correct, lengths 1..4 so the overlong penalty shapes the scores apart: no
-    group has signal (DAPO filters on accuracy), so every sample counts as dropped."""
+    group has signal (DAPO filters on accuracy), so every sample counts as dropped, and with
+    no group left after every round the step is skipped (issue 26 items 1 and 4)."""
     algorithm = _dapo(overlong=OverlongConfig(enabled=True, max_length=4, cache_length=3))
     runtime = build_colocated_runtime(_config(tiny_model, tmp_path, algorithm=algorithm, n=4), ENV)
     runtime.task = TaskData(runtime.task.prompts, runtime.task.answers, lambda text, answer: 1.0)
@@ -252,10 +253,17 @@ def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
         ]
 
     runtime.engine.generate = lengths_one_to_four
+    before = [p.detach().clone() for p in runtime.policy.parameters()]
     record = runtime.train_step()
 
     no_signal = record["dropped_samples"] - record["dropped_nonfinite"]
-    assert no_signal == 16 * MAX_SAMPLING_ROUNDS - 16  # every round's groups, but the fallback
+    assert no_signal == 16 * MAX_SAMPLING_ROUNDS  # every group of every round
+    # nothing to learn from: no update, the same version (not a step on zero-signal groups)
+    assert record["skipped"] == "no_signal" and record["samples"] == 0
+    assert record["policy_version"] == 0 and runtime.engine.weights_version == 0
+    after = list(runtime.policy.parameters())
+    assert all(torch.equal(old, new) for old, new in zip(before, after, strict=True))
+    assert record["step"] == 1
 
 
 def test_colocated_nonfinite_reward_group_left_out_step_stays_finite(tiny_model, tmp_path):

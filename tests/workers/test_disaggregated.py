@@ -323,6 +323,48 @@ def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
     assert record["trained_reward_mean"] == 0.25  # the group with signal: one of four correct
 
 
+def test_dapo_step_without_any_group_of_signal_skips_the_update_and_keeps_the_version(
+    tiny_model, tmp_path
+):
+    """Three batches' worth of groups without signal (batch size 1): DAPO's fallback skips
+    the step (no AdamW step on zero-signal groups, no new version), counts it, and the next
+    group with signal trains as version 1."""
+    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=2)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.dump())
+    env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
+    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+    worker = TrainerWorker(config, env)
+    before = [p.detach().clone() for p in worker.policy.parameters()]
+    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    try:
+        for name in ("x", "y", "z"):
+            flat = [
+                replace(t, reward=0.0, info={**t.info, "task_reward": 0.0})
+                for t in _synthetic_group(name, 0, prompt)
+            ]
+            client.send(flat, timeout_s=10)
+        skipped = worker.train_step()
+        unchanged = all(
+            torch.equal(old, new)
+            for old, new in zip(before, worker.policy.parameters(), strict=True)
+        )
+        client.send(_synthetic_group("signal", 0, prompt), timeout_s=10)
+        trained = worker.train_step()
+        metrics = _scrape(worker.reporter.metrics_port)
+    finally:
+        client.close()
+        worker.close()
+
+    assert skipped["skipped"] == "no_signal" and skipped["samples"] == 0
+    assert skipped["policy_version"] == 0 and skipped["dropped"]["no_signal"] == 12
+    assert unchanged
+    assert "skipped" not in trained and trained["policy_version"] == 1
+    assert re.search(
+        r'^rljob_skipped_steps_total{[^}]*reason="no_signal"[^}]*} 1\.0$', metrics, re.M
+    )
+
+
 def test_trainer_ppo_with_gae_trains_its_own_critic(tiny_model, tmp_path):
     # the API accepts ppo on disaggregated (with a correction and a bound): the trainer runs it
     from rljob_workers.main import validate_worker_config
@@ -605,13 +647,15 @@ def test_rljob_run_local_dapo_example_vllm_2_rollouts_2_trainers_learns(tiny_mod
     assert sorted(summary["exit_codes"]) == ["rollout-0", "rollout-1", "trainer-0", "trainer-1"]
     trainer = _records(run / "metrics-trainer-0.jsonl")
     assert len(trainer) == LEARNING_STEPS
-    assert summary["processes"]["trainer-1"]["policy_version"] == LEARNING_STEPS
+    # a step where DAPO found no group with signal makes no update and keeps the version
+    skipped = sum(1 for record in trainer if record.get("skipped") == "no_signal")
+    assert summary["processes"]["trainer-1"]["policy_version"] == LEARNING_STEPS - skipped
     baseline = _mean_reward(trainer, slice(0, 10))
     final = _mean_reward(trainer, slice(-10, None))
     extra = summary["disaggregated"]
     print(
         f"dapo disaggregated, vLLM 2 + 2 trainers: reward {baseline:.3f} -> {final:.3f} in "
-        f"{len(trainer)} steps, {wall:.0f} s; staleness {extra['staleness_histogram']}; "
+        f"{len(trainer)} steps ({skipped} skipped), {wall:.0f} s; staleness {extra['staleness_histogram']}; "
         f"dropped {extra['dropped']}; lag median {extra['policy_lag_ms_median']:.0f} ms, p95 "
         f"{extra['policy_lag_ms_p95']:.0f} ms over {extra['policy_lag_ms_samples']} samples"
     )

@@ -216,7 +216,8 @@ class ColocatedRuntime:
         ``truncated_fraction``, ``engine_logprob_gap`` (mean ``|engine - trainer|`` log-prob of
         the sampled tokens: 0 up to numerics when the engine serves the trainer's weights),
         ``paused_s``, ``throttle_wait_s``, ``max_versions`` (a live bound, else None),
-        ``buffer_age_s``, ``tokens``, ``time``.
+        ``buffer_age_s``, ``tokens``, ``time``; ``skipped`` (``no_signal``) on a DAPO step
+        where no group had signal after every sampling round: no update, the same version.
         """
         started = time.perf_counter()
         control, paused_s = self._await_control()
@@ -224,14 +225,24 @@ class ColocatedRuntime:
         collected = self._collect()
         generated_at = gen_done = time.perf_counter()
         self.engine.sleep()
-        metrics = self.learner.update(
-            collected.rollout.experience(),
-            seed=mix_seed(self.config.seed, self.step, 31),
-            max_versions_behind=control.max_versions,
-        )
+        # DAPO: when no group of any actor had signal after every sampling round, there is
+        # nothing to learn from: skip the update and keep the policy version
+        rows = global_sum([float(len(collected.rollout))], distributed=self.distributed)[0]
+        skipped = rows == 0
+        metrics: dict[str, Any] = {"optimizer_steps": 0.0}
+        if not skipped:
+            metrics = self.learner.update(
+                collected.rollout.experience(),
+                seed=mix_seed(self.config.seed, self.step, 31),
+                max_versions_behind=control.max_versions,
+            )
         steps = int(metrics.pop("optimizer_steps"))
         self.policy_version += steps
-        lag_ms = self._publish_weights()
+        lag_ms: float | None = None
+        if skipped:
+            self.engine.wake()  # it serves the same weights: nothing to load
+        else:
+            lag_ms = self._publish_weights()
         self.step += 1
         throttle_s = self._throttle(control, gen_done - generation_started)
         finished = time.perf_counter()
@@ -262,6 +273,8 @@ class ColocatedRuntime:
             "time": time.time(),
             **metrics,
         }
+        if skipped:
+            record["skipped"] = "no_signal"
         return record
 
     # ------------------------------------------------------------ live control
@@ -303,14 +316,12 @@ class ColocatedRuntime:
         target = self.prompts_per_rank * n
         rounds = MAX_SAMPLING_ROUNDS if algo.dynamic_sampling else 1
         collected = _Collected()
-        fallback: _Rollout | None = None
         for round_index in range(rounds):
             rollout, valid = self._generate(round_index)
             collected.rounds += 1
             collected.generated_tokens += sum(len(r) for r in rollout.response_ids)
             collected.nonfinite += len(rollout) - len(valid)
             collected.sampled_rewards += valid.task_rewards
-            fallback = fallback or valid
             kept = valid
             if algo.dynamic_sampling and len(valid):
                 # on the task reward (accuracy), not the shaped score: an overlong penalty
@@ -323,9 +334,6 @@ class ColocatedRuntime:
             short = 0.0 if len(collected.rollout) >= target else 1.0
             if global_sum([short], distributed=self.distributed)[0] == 0:
                 break
-        if len(collected.rollout) == 0 and fallback is not None:
-            collected.rollout = fallback
-            collected.no_signal = max(0, collected.no_signal - len(fallback))
         if len(collected.rollout) > target:
             collected.no_signal += len(collected.rollout) - target
             collected.rollout = collected.rollout.select(

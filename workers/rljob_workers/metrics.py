@@ -112,6 +112,12 @@ class WorkerMetrics:
             [*names, "reason"],
             registry=self.registry,
         )
+        self._skipped = Counter(
+            "rljob_skipped_steps",
+            "Steps that made no update, by reason (no_signal: DAPO found no group with signal)",
+            [*names, "reason"],
+            registry=self.registry,
+        )
         self._lag_exceeded = Counter(
             "rljob_policy_lag_threshold_exceeded",
             "Steps whose policy lag was above staleness.maxPolicyLagMs",
@@ -155,6 +161,9 @@ class WorkerMetrics:
             self._lag_ms.labels(**self._labels).observe(lag)
             if lag_threshold_ms is not None and lag > lag_threshold_ms:
                 self._lag_exceeded.labels(**self._labels).inc()
+        skipped = record.get("skipped")
+        if isinstance(skipped, str):
+            self._skipped.labels(**self._labels, reason=skipped).inc()
         step_time = _finite(record.get("step_time_s"))
         if step_time is not None:
             self._step_time.labels(**self._labels).observe(step_time)

@@ -221,7 +221,6 @@ class TrainerWorker:
         self.dropped: dict[str, int] = {"no_signal": 0}
         self.servers: _Servers | None = None
         self._assembling: list[Group] = []
-        self._no_signal: list[Group] = []
         self._filtered = 0
         self._taken_rewards: list[float] = []
         self._starving = False
@@ -310,13 +309,17 @@ class TrainerWorker:
             flat, current_version=current, now=time.time()
         )
         rows = shard_groups(groups, self.env.rank, self.env.world_size)
-        metrics = self.learner.update(
-            experience_of(rows), seed=(self.config.seed * 1_000_003 + self.step) % 2**31
-        )
-        metrics.pop("optimizer_steps")
+        metrics: dict[str, Any] = {}
+        publish: dict[str, Any] = {}
+        if groups:
+            metrics = self.learner.update(
+                experience_of(rows), seed=(self.config.seed * 1_000_003 + self.step) % 2**31
+            )
+            metrics.pop("optimizer_steps")
         self.step += 1
-        self.version += 1
-        publish = self._publish(self.learner.last_step_wall)
+        if groups:
+            self.version += 1
+            publish = self._publish(self.learner.last_step_wall)
         checkpoint = self._maybe_checkpoint()
         finished = time.perf_counter()
         record: dict[str, Any] = {
@@ -345,6 +348,8 @@ class TrainerWorker:
             **metrics,
             **self.reporter.utilization(),
         }
+        if not groups:  # DAPO found no group with signal: no update, the same version
+            record["skipped"] = "no_signal"
         return record
 
     # ----------------------------------------------------------------------- batching
@@ -417,23 +422,19 @@ class TrainerWorker:
             if not self.config.algorithm.dynamic_sampling or _has_signal(group):
                 self._assembling.append(group)
             else:
-                self._no_signal = [*self._no_signal, group][-self.config.algorithm.batch_size :]
                 self._filtered += 1
                 self.dropped["no_signal"] += len(group)
 
     def _complete_batch(self, size: int) -> list[Group] | None:
-        """The batch when it is full, or DAPO's fallback after too many filtered groups."""
+        """The batch when it is full, or DAPO's fallback after too many filtered groups: the
+        groups with signal so far, none at all (``[]``: the step is skipped) when no group
+        had any."""
         limit = (MAX_SAMPLING_ROUNDS - 1) * size
-        if len(self._assembling) < size and not (
-            self._filtered >= limit and (self._assembling or self._no_signal)
-        ):
+        if len(self._assembling) < size and self._filtered < limit:
             return None
         batch = self._assembling[:size]
-        if not batch:
-            batch = self._no_signal
-            self.dropped["no_signal"] -= sum(len(group) for group in batch)
         self._assembling = self._assembling[size:]
-        self._no_signal, self._filtered = [], 0
+        self._filtered = 0
         return batch
 
     # ------------------------------------------------------------------ weights, state
