@@ -259,14 +259,23 @@ def _dropped_counter(exposition: str, reason: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, tmp_path):
-    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=4)
+def _one_trainer(config: WorkerConfig, tmp_path: Path) -> tuple[TrainerWorker, ExperienceClient]:
+    """A trainer process's worker (rank 0 of 1, serving) and a client sending to it."""
     config_path = tmp_path / "config.json"
     config_path.write_text(config.dump())
     env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
-    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
     worker = TrainerWorker(config, env)
     client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    return worker, client
+
+
+PROMPT = "copy:4="
+
+
+def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, tmp_path):
+    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=4)
+    prompt = list(build_tokenizer()(PROMPT)["input_ids"])
+    worker, client = _one_trainer(config, tmp_path)
     try:
         client.send(_synthetic_group("a", 0, prompt), timeout_s=10)
         client.send(_synthetic_group("b", 0, prompt), timeout_s=10)
@@ -301,16 +310,12 @@ def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(
     """A group whose answers are all correct has no signal, even when the overlong penalty
     makes its shaped scores differ: DAPO filters on accuracy, and shapes afterwards."""
     config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=1)
-    config_path = tmp_path / "config.json"
-    config_path.write_text(config.dump())
-    env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
-    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
+    prompt = list(build_tokenizer()(PROMPT)["input_ids"])
     all_correct = [
         replace(t, reward=1.0 - 0.25 * k, info={**t.info, "task_reward": 1.0})
         for k, t in enumerate(_synthetic_group("all-correct", 0, prompt))
     ]
-    worker = TrainerWorker(config, env)
-    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+    worker, client = _one_trainer(config, tmp_path)
     try:
         client.send(all_correct, timeout_s=10)
         client.send(_synthetic_group("signal", 0, prompt), timeout_s=10)
@@ -330,13 +335,9 @@ def test_dapo_step_without_any_group_of_signal_skips_the_update_and_keeps_the_ve
     the step (no AdamW step on zero-signal groups, no new version), counts it, and the next
     group with signal trains as version 1."""
     config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=2)
-    config_path = tmp_path / "config.json"
-    config_path.write_text(config.dump())
-    env = ProcessEnv(role="trainer", config_path=str(config_path), token=TOKEN)
-    prompt = list(build_tokenizer()("copy:4=")["input_ids"])
-    worker = TrainerWorker(config, env)
+    prompt = list(build_tokenizer()(PROMPT)["input_ids"])
+    worker, client = _one_trainer(config, tmp_path)
     before = [p.detach().clone() for p in worker.policy.parameters()]
-    client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
     try:
         for name in ("x", "y", "z"):
             flat = [
@@ -655,7 +656,8 @@ def test_rljob_run_local_dapo_example_vllm_2_rollouts_2_trainers_learns(tiny_mod
     extra = summary["disaggregated"]
     print(
         f"dapo disaggregated, vLLM 2 + 2 trainers: reward {baseline:.3f} -> {final:.3f} in "
-        f"{len(trainer)} steps ({skipped} skipped), {wall:.0f} s; staleness {extra['staleness_histogram']}; "
+        f"{len(trainer)} steps ({skipped} skipped), {wall:.0f} s; "
+        f"staleness {extra['staleness_histogram']}; "
         f"dropped {extra['dropped']}; lag median {extra['policy_lag_ms_median']:.0f} ms, p95 "
         f"{extra['policy_lag_ms_p95']:.0f} ms over {extra['policy_lag_ms_samples']} samples"
     )
