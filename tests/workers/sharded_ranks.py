@@ -147,6 +147,13 @@ def run_scenario(
         )
         result["params"] = full_params(learner)
         result["next_loss"] = step(learner, 1)
+    elif scenario == "prepare":  # what the first minibatch trains on, before any update
+        prepared = learner.prepare(experience(0, rank, world))
+        assert prepared is not None
+        mask = prepared.batch.response_mask.bool()
+        result["advantages"] = [
+            row[keep] for row, keep in zip(prepared.advantages, mask, strict=True)
+        ]
     elif scenario == "publish":
         result.update(publish_from_shards(learner, out, rank))
     else:

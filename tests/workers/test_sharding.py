@@ -231,6 +231,27 @@ def test_one_rank_with_cpu_offload_is_sharded_and_trains_like_a_replica(tiny_mod
     torch.testing.assert_close(offloaded["params"], replica["params"], rtol=1e-4, atol=1e-5)
 
 
+def test_gae_advantages_are_whitened_over_the_global_batch_not_per_rank(tiny_model, tmp_path):
+    """PPO's GAE advantages are whitened with the mean and variance of every rank's tokens: two
+    ranks get, row for row, what one rank holding all the groups gets (issue 26 item 3)."""
+    from tests.workers.sharded_ranks import GROUPS, N
+
+    folder = _write_config(tmp_path / "two", tiny_model, ppo=True)
+    ranks = run_ranks(RANKS_SCRIPT, folder, "gae x2", world=2, args=("prepare", "ddp"))
+    folder = _write_config(tmp_path / "one", tiny_model, ppo=True)
+    (whole,) = run_ranks(RANKS_SCRIPT, folder, "gae x1", world=1, args=("prepare", "ddp"))
+
+    for group in range(GROUPS):
+        rank, index = group % 2, group // 2  # rank r holds groups r, r + 2, ...
+        for k in range(N):
+            torch.testing.assert_close(
+                ranks[rank]["advantages"][index * N + k],
+                whole["advantages"][group * N + k],
+                rtol=1e-5,
+                atol=1e-5,
+            )
+
+
 # ------------------------------------------------------------------ weights out of shards
 
 

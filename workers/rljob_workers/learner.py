@@ -53,10 +53,11 @@ from rljob_workers.algos import (
     kl_reward_penalty,
     loss_denominator,
     masked_mean,
+    masked_moments,
     masked_sum,
-    masked_whiten,
     ppo_clip_policy_loss,
     tis_policy_loss,
+    whiten_with_moments,
 )
 from rljob_workers.config import AlgorithmConfig, WorkerConfig
 from rljob_workers.ddp import global_sum
@@ -372,6 +373,8 @@ class Learner:
             ref_logp = None if self.reference is None else self._score(self.reference, batch, parts)
             old_values = None if self.critic is None else self._score(self.critic, batch, parts)
         if batch is None or old_logp is None:
+            if algo.advantage_estimator == "gae":  # whitening is global: add nothing to it
+                self._global_moments(torch.zeros(3, dtype=torch.float64))
             return None
         mask = batch.response_mask
         behaviour = pad_rows(experience.behaviour_logprobs, mask.shape[1]).to(self.device) * mask
@@ -387,7 +390,9 @@ class Learner:
             raw, returns = compute_gae_advantages(
                 token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam
             )
-            advantages = masked_whiten(raw, mask)
+            # whitened by the whole batch's mean and variance (all ranks), not this rank's
+            moments = self._global_moments(masked_moments(raw, mask))
+            advantages = whiten_with_moments(raw, mask, moments)
             return PreparedBatch(
                 batch,
                 old_logp,
@@ -408,6 +413,10 @@ class Learner:
         estimate = estimator(scores, group_size=self.group_size)
         advantages = broadcast_advantages_to_tokens(estimate, mask)
         return PreparedBatch(batch, old_logp, behaviour, advantages, estimate, ref_logp)
+
+    def _global_moments(self, local: Tensor) -> Tensor:
+        """``masked_moments`` summed over every rank (a collective when distributed)."""
+        return torch.tensor(global_sum(local.tolist(), distributed=self.distributed))
 
     def _prepare_dummy(self) -> PreparedBatch:
         batch = build_sequence_batch(

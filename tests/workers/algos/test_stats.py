@@ -11,7 +11,14 @@ import math
 import pytest
 import torch
 
-from rljob_workers.algos import entropy_from_logits, masked_mean, masked_var, masked_whiten
+from rljob_workers.algos import (
+    entropy_from_logits,
+    masked_mean,
+    masked_moments,
+    masked_var,
+    masked_whiten,
+    whiten_with_moments,
+)
 
 VALUES = [[1.0, 2.0, 3.0], [4.0, math.nan, 100.0]]
 MASK = [[1, 1, 1], [1, 0, 0]]
@@ -62,3 +69,16 @@ def test_entropy_from_logits_matches_hand_values() -> None:
     # p = (1/2, 1/2), (1/4, 3/4), (1/2, 1/2)
     quarter = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     torch.testing.assert_close(entropy, f64([[math.log(2), quarter, math.log(2)]]))
+
+
+def test_whiten_with_moments_of_every_part_equals_whitening_the_whole() -> None:
+    torch.manual_seed(0)
+    values = torch.randn(6, 5) * 3 + 1
+    mask = (torch.rand(6, 5) > 0.3).float()
+    parts = [(values[:2], mask[:2]), (values[2:], mask[2:])]  # two ranks' rows
+    moments = sum(masked_moments(v, m) for v, m in parts)
+
+    whitened = torch.cat([whiten_with_moments(v, m, moments) for v, m in parts])
+
+    torch.testing.assert_close(whitened, masked_whiten(values, mask), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(whiten_with_moments(*parts[0], moments), masked_whiten(*parts[0]))

@@ -44,9 +44,11 @@ from rljob_workers.algos.registry import (
 from rljob_workers.algos.stats import (
     entropy_from_logits,
     masked_mean,
+    masked_moments,
     masked_sum,
     masked_var,
     masked_whiten,
+    whiten_with_moments,
 )
 from rljob_workers.algos.value_loss import clipped_value_loss
 
@@ -76,10 +78,12 @@ __all__ = [
     "kl_reward_penalty",
     "loss_denominator",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "overlong_reward_penalty",
     "ppo_clip_policy_loss",
     "tis_policy_loss",
+    "whiten_with_moments",
 ]

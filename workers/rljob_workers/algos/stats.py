@@ -13,10 +13,12 @@ __all__ = [
     "check_same_shape",
     "entropy_from_logits",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "safe_divide",
+    "whiten_with_moments",
 ]
 
 WHITEN_EPS = 1e-8
@@ -95,6 +97,32 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True) -> T
     whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
+    return torch.where(mask.to(torch.bool), whitened, torch.zeros_like(whitened))
+
+
+def masked_moments(values: Tensor, mask: Tensor) -> Tensor:
+    """``[count, sum, sum of squares]`` of the masked entries, float64: what ranks add up to
+    whiten over the global batch (``whiten_with_moments``)."""
+    weights = mask.to(torch.float64)
+    wide = values.to(torch.float64)
+    return torch.stack([weights.sum(), masked_sum(wide, weights), masked_sum(wide * wide, weights)])
+
+
+def whiten_with_moments(values: Tensor, mask: Tensor, moments: Tensor) -> Tensor:
+    """``masked_whiten`` with the mean and the (Bessel-corrected) variance taken from
+    ``moments`` (``masked_moments`` summed over every rank's rows) instead of from ``values``:
+    each rank's advantages are whitened by the global batch's statistics.
+
+    Args:
+        values: ``[B, T]``, this rank's rows.
+        mask: ``[B, T]``.
+        moments: ``[3]``, ``[count, sum, sum of squares]`` over all ranks.
+    """
+    count, total, squares = (float(v) for v in moments.tolist())
+    mean = total / count if count else 0.0
+    variance = max(squares / count - mean * mean, 0.0) if count else 0.0
+    variance = variance * count / (count - 1) if count > 1 else 0.0
+    whitened = (values - mean) * (variance + WHITEN_EPS) ** -0.5
     return torch.where(mask.to(torch.bool), whitened, torch.zeros_like(whitened))
 
 
