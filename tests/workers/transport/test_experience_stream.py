@@ -1,7 +1,9 @@
 """Experience stream rollout → trainer over real loopback HTTP.
 
 Aspects under test:
-- delivery: submitted trajectories reach the buffer with every field intact (logprobs bit-exact);
+- delivery: submitted trajectories reach the buffer with every field intact (logprobs bit-exact;
+  ``created_at`` moved onto the trainer's clock: a rollout whose clock is 100 s off still has
+  its trajectories aged from when they were sampled, never expired nor kept by the skew);
 - authentication: a request without the job token is refused 401, a wrong token 403, on both the
   experience and the control endpoints; refusals are counted, nothing reaches the buffer, and the
   client fails at once instead of retrying; the health probe needs no token;
@@ -24,6 +26,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -49,6 +52,16 @@ def make_trajectory(index: int, *, version: int = 0, created_at: float | None = 
         reward=float(index % 2),
         group_id=f"g{index // 4}",
         info={"replica": 0},
+    )
+
+
+def same_but_transit(received: list[Trajectory], sent: list[Trajectory]) -> bool:
+    """Equal field for field, ``created_at`` moved onto the server's clock by at most the
+    transit time (the server rebases it by the sender's ``X-RLJob-Sent-At``)."""
+    ordered = sorted(received, key=lambda t: t.id)  # batches move by their own transit
+    return len(received) == len(sent) and all(
+        0 <= r.created_at - s.created_at < 1.0 and replace(r, created_at=s.created_at) == s
+        for r, s in zip(ordered, sorted(sent, key=lambda t: t.id), strict=True)
     )
 
 
@@ -148,7 +161,7 @@ def test_client_send_all_trajectories_arrive_intact(server, buffer) -> None:
     assert acked == 10 and client.pending == 0
     with server.locked():
         received = buffer.take(100, current_version=3, now=time.time())
-    assert received == sent
+    assert same_but_transit(received, sent)
     assert server.stats.batches == 3 and client.stats.retries == 0
 
 
@@ -314,3 +327,18 @@ def test_server_keepalive_connection_sends_without_nagle_delay(server) -> None:
     assert connections
     assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in connections)
     client.close()
+
+
+@pytest.mark.parametrize("skew_s", [-100.0, 100.0], ids=["rollout-behind", "rollout-ahead"])
+def test_buffer_ages_hold_across_skewed_clocks(skew_s) -> None:
+    buffer = ExperienceBuffer(capacity=10, max_age_seconds=30)
+    with ExperienceServer(TOKEN, buffer) as server:
+        rollout_clock = lambda: time.time() + skew_s  # noqa: E731
+        client = ExperienceClient(server.url, TOKEN, clock=rollout_clock)
+        fresh = make_trajectory(0, created_at=rollout_clock() - 1)  # 1 s old, by its own clock
+        old = make_trajectory(1, created_at=rollout_clock() - 60)  # 60 s old: past the limit
+        client.send([fresh, old], timeout_s=10)
+        kept = buffered_ids(server, buffer)
+
+    assert kept == ["r0-0"]
+    assert buffer.dropped["expired"] == 1

@@ -43,7 +43,11 @@ from rljob_workers.transport.codec import (
     encode_binary,
     encode_trajectories,
 )
-from tests.workers.transport.test_experience_stream import AckDroppingProxy, make_trajectory
+from tests.workers.transport.test_experience_stream import (
+    AckDroppingProxy,
+    make_trajectory,
+    same_but_transit,
+)
 
 TOKEN = "s3cret-job-token"
 
@@ -213,7 +217,7 @@ def test_client_auto_switches_to_binary_once_announced_all_intact() -> None:
 
     assert client.batch_content_type == BINARY_CONTENT_TYPE
     assert server.stats.batches == 3 and server.stats.binary_batches == 2
-    assert sorted(received, key=lambda t: t.id) == sent
+    assert same_but_transit(sorted(received, key=lambda t: t.id), sent)
 
 
 def test_server_old_json_only_client_still_delivers() -> None:

@@ -17,7 +17,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -28,6 +28,7 @@ from rljob_workers.transport.codec import (
     BINARY_CONTENT_TYPE,
     FORMATS_HEADER,
     JSON_CONTENT_TYPE,
+    SENT_AT_HEADER,
     encode_batch,
 )
 
@@ -94,6 +95,7 @@ class ExperienceClient:
         backoff_max_s: float = 2.0,
         seed: int | None = None,
         wire_format: str = "auto",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format: expected one of {WIRE_FORMATS}, got {wire_format!r}")
@@ -110,6 +112,7 @@ class ExperienceClient:
         self._pending: dict[str, Trajectory] = {}
         self._conn: http.client.HTTPConnection | None = None
         self._rng = random.Random(seed)
+        self._clock = clock
 
     @property
     def pending(self) -> int:
@@ -214,7 +217,11 @@ class ExperienceClient:
         self, method: str, path: str, body: bytes | None, deadline: float, content_type: str
     ) -> Any:
         timeout = max(0.05, min(self.request_timeout_s, deadline - time.monotonic()))
-        headers = {**self._headers, "Content-Type": content_type}
+        headers = {
+            **self._headers,
+            "Content-Type": content_type,
+            SENT_AT_HEADER: repr(self._clock()),  # the clock created_at is on, at this attempt
+        }
         try:
             conn = self._connection(timeout)
             conn.request(method, path, body=body, headers=headers)

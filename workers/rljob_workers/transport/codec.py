@@ -80,6 +80,9 @@ JSON_CONTENT_TYPE = "application/x-ndjson"
 CONTENT_TYPE = JSON_CONTENT_TYPE
 BINARY_CONTENT_TYPE = "application/vnd.rljob.trajectories.v1"
 FORMATS_HEADER = "X-RLJob-Experience-Formats"
+SENT_AT_HEADER = "X-RLJob-Sent-At"
+"""The sender's wall clock (seconds) when it sent a batch: the trainer moves the batch's
+``created_at`` onto its own clock by the difference, so ages hold across skewed node clocks."""
 _MAGIC = b"RLT1"
 _COUNT = struct.Struct("<I")
 _FRAME = struct.Struct("<IIIIB3x")

@@ -19,6 +19,10 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <job token>``):
   ``buffer.is_too_stale``: what it generated now would be dropped): the rollout should fetch
   newer weights before generating more (never true when the bound is unset).
 
+A batch's ``X-RLJob-Sent-At`` header (the sender's wall clock at sending) moves its
+trajectories' ``created_at`` onto this server's clock, so buffer ages and expiry do not depend
+on the skew between the rollout's and the trainer's node clocks.
+
 Every answer of these two endpoints carries ``X-RLJob-Experience-Formats``, the batch formats
 this server reads (``formats``); a client switches to binary only once it has seen binary there,
 so a new rollout keeps sending JSON lines to an old trainer (which sends no such header).
@@ -32,11 +36,12 @@ on are gone with it, and the clients' retries of unacked ones are then welcome, 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 from rljob_workers.buffer import ExperienceBuffer, Trajectory, is_too_stale
@@ -51,6 +56,7 @@ from rljob_workers.transport.codec import (
     BINARY_CONTENT_TYPE,
     FORMATS_HEADER,
     JSON_CONTENT_TYPE,
+    SENT_AT_HEADER,
     decode_batch,
     media_type,
 )
@@ -185,6 +191,7 @@ class ExperienceServer:
             trajectories = decode_batch(request.body, content_type)
         except ValueError as err:
             raise BadRequest(str(err)) from None
+        trajectories = self._on_own_clock(trajectories, _header(request, SENT_AT_HEADER))
         with self._lock:
             if self._http.closing.is_set():
                 return json_response({"error": "shutting down"}, 503, self._formats_header)
@@ -197,6 +204,23 @@ class ExperienceServer:
         return json_response(
             {"acked": acked, **counts, "policy_version": version}, headers=self._formats_header
         )
+
+    def _on_own_clock(
+        self, trajectories: list[Trajectory], sent_at: str | None
+    ) -> list[Trajectory]:
+        """``created_at`` moved from the sender's clock onto this server's: by the difference
+        between the receipt time and the sender's ``X-RLJob-Sent-At``, so the age checks hold
+        whatever the skew between the nodes' clocks (the age then includes the transit time).
+        A batch without the header (a sender from before it) is taken as it is."""
+        if sent_at is None:
+            return trajectories
+        try:
+            offset = self._clock() - float(sent_at)
+        except ValueError:
+            raise BadRequest(f"{SENT_AT_HEADER}: expected seconds, got {sent_at[:40]!r}") from None
+        if not math.isfinite(offset):
+            raise BadRequest(f"{SENT_AT_HEADER}: expected finite seconds, got {sent_at[:40]!r}")
+        return [replace(t, created_at=t.created_at + offset) for t in trajectories]
 
     def _offer_all(self, trajectories: list[Trajectory]) -> dict[str, int]:
         counts = {"accepted": 0, "duplicates": 0, "dropped": 0}
