@@ -6,6 +6,8 @@ Aspects under test:
 - capacity drops the oldest (also when the newcomer is the oldest) and counts it;
 - a trajectory id is accepted once: redeliveries are dropped and counted, even after a take;
 - take_groups returns only whole groups, contiguous, oldest group first;
+- a member dropped (capacity, expiry) takes the rest of its group with it, and later members of
+  that group are dropped on arrival: no partial group waits forever;
 - drop counts by reason; oldest_age; constructor validation;
 - a trajectory without response tokens, or without one log-prob per response token, is
   dropped as ``malformed`` on add and never served;
@@ -25,8 +27,9 @@ from rljob_workers.buffer import DROP_REASONS, ExperienceBuffer, Trajectory
 
 
 def traj(
-    traj_id: str, *, version: int = 0, created_at: float = 0.0, group: str = "g"
+    traj_id: str, *, version: int = 0, created_at: float = 0.0, group: str | None = None
 ) -> Trajectory:
+    """A trajectory; a group of its own unless ``group`` is given."""
     return Trajectory(
         id=traj_id,
         policy_version=version,
@@ -35,7 +38,7 @@ def traj(
         response_ids=[3],
         behaviour_logprobs=[-0.5],
         reward=1.0,
-        group_id=group,
+        group_id=group or traj_id,
     )
 
 
@@ -296,3 +299,32 @@ def test_buffer_malformed_trajectory_dropped_counted_and_never_served(response, 
 
     assert buffer.dropped["malformed"] == 1
     assert ids(buffer.take(4, current_version=0, now=0.0)) == ["good"]
+
+
+def test_buffer_capacity_drop_takes_the_rest_of_the_group_and_its_late_members() -> None:
+    buffer = ExperienceBuffer(capacity=4)
+    for name, created in (("a1", 0.0), ("a2", 1.0), ("b1", 2.0), ("b2", 3.0)):
+        assert buffer.add(traj(name, created_at=created, group=name[0]), now=3.0)
+
+    buffer.add(traj("c1", created_at=4.0, group="c"), now=4.0)  # full: a1, the oldest, goes
+    late = buffer.add(traj("a3", created_at=5.0, group="a"), now=5.0)  # a member of a gone group
+    buffer.add(traj("c2", created_at=6.0, group="c"), now=6.0)
+
+    assert not late
+    assert buffer.dropped["capacity"] == 3  # a1, then a2 with it, then the late a3
+    assert ids(buffer.take_groups(5, 2, current_version=0, now=6.0)) == ["b1", "b2", "c1", "c2"]
+    assert len(buffer) == 0  # no partial group left waiting for a member that is gone
+
+
+def test_buffer_expired_member_takes_its_group_with_it() -> None:
+    buffer = ExperienceBuffer(capacity=8, max_age_seconds=10)
+    buffer.add(traj("a1", created_at=0.0, group="a"), now=0.0)
+    buffer.add(traj("a2", created_at=5.0, group="a"), now=5.0)
+    buffer.add(traj("b1", created_at=5.0, group="b"), now=5.0)
+
+    assert buffer.take_groups(1, 2, current_version=0, now=12.0) == []  # a1 expired
+
+    assert buffer.dropped["expired"] == 2 and len(buffer) == 1
+    assert not buffer.add(traj("a3", created_at=12.0, group="a"), now=12.0)
+    assert buffer.add(traj("b2", created_at=12.0, group="b"), now=12.0)
+    assert ids(buffer.take_groups(1, 2, current_version=0, now=12.0)) == ["b1", "b2"]

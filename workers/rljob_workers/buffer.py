@@ -16,11 +16,16 @@ Drop reasons, counted in ``ExperienceBuffer.dropped``:
   (trained on, it would pair log-probs with the wrong tokens).
 
 A trajectory at exactly the staleness or age limit is kept.
+
+Groups: a group can be trained only whole, so when one member is dropped (for any reason but
+``duplicate``) its other members are dropped with it, counted under the same reason, and so is
+any member that arrives later: no partial group waits in the buffer for a member that is gone.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +50,8 @@ LogProbs = npt.NDArray[np.float32] | npt.NDArray[np.float64]
 """Log-probs as a 1-D float array: float32 when lossless (vLLM's are), else float64."""
 _INT32 = np.iinfo(np.int32)
 
+_BROKEN_KEPT = 100_000
+"""Group ids remembered as broken (a member dropped): later members of them are dropped too."""
 DROP_REASONS: tuple[str, ...] = ("stale_version", "expired", "capacity", "duplicate", "malformed")
 
 
@@ -215,6 +222,7 @@ class ExperienceBuffer:
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self._entries: list[_Entry] = []
         self._seen_ids: set[str] = set()
+        self._broken: OrderedDict[str, str] = OrderedDict()
         self._arrivals = 0
 
     def __len__(self) -> int:
@@ -232,20 +240,26 @@ class ExperienceBuffer:
             self.dropped["duplicate"] += 1
             return False
         self._seen_ids.add(trajectory.id)
-        reason = self._drop_reason(trajectory, current_version=current_version, now=now)
+        reason = self._broken.get(trajectory.group_id) or self._drop_reason(
+            trajectory, current_version=current_version, now=now
+        )
         if reason is not None:
             self.dropped[reason] += 1
+            self._break_group(trajectory.group_id, reason)
             return False
         self._arrivals += 1
         entry = _Entry(trajectory.created_at, self._arrivals, trajectory)
         bisect.insort(self._entries, entry, key=_order)
         if len(self._entries) <= self.capacity:
             return True
+        oldest = self._entries.pop(0)
         self.dropped["capacity"] += 1
-        return self._entries.pop(0) is not entry
+        self._break_group(oldest.trajectory.group_id, "capacity")
+        return any(kept is entry for kept in self._entries)
 
     def evict(self, *, current_version: int, now: float) -> int:
         """Drop every stale or expired trajectory; return how many were dropped."""
+        before = len(self._entries)
         kept: list[_Entry] = []
         for entry in self._entries:
             reason = self._drop_reason(entry.trajectory, current_version=current_version, now=now)
@@ -253,9 +267,11 @@ class ExperienceBuffer:
                 kept.append(entry)
             else:
                 self.dropped[reason] += 1
-        evicted = len(self._entries) - len(kept)
+                self._broken[entry.trajectory.group_id] = reason
         self._entries = kept
-        return evicted
+        for group_id in {e.trajectory.group_id for e in kept} & self._broken.keys():
+            self._break_group(group_id, self._broken[group_id])
+        return before - len(self._entries)
 
     def take(self, n: int, *, current_version: int, now: float) -> list[Trajectory]:
         """Evict, then remove and return up to ``n`` trajectories, oldest first."""
@@ -293,6 +309,18 @@ class ExperienceBuffer:
     def oldest_age(self, now: float) -> float | None:
         """Seconds since the oldest stored trajectory was created; None when empty."""
         return now - self._entries[0].created_at if self._entries else None
+
+    def _break_group(self, group_id: str, reason: str) -> None:
+        """A member of ``group_id`` was dropped for ``reason``: the group can never be whole,
+        so its stored members go too (counted under the same reason), and so will any member
+        that arrives later. Remembers the newest ``_BROKEN_KEPT`` broken groups."""
+        self._broken[group_id] = reason
+        self._broken.move_to_end(group_id)
+        while len(self._broken) > _BROKEN_KEPT:
+            self._broken.popitem(last=False)
+        kept = [e for e in self._entries if e.trajectory.group_id != group_id]
+        self.dropped[reason] += len(self._entries) - len(kept)
+        self._entries = kept
 
     def _drop_reason(
         self, trajectory: Trajectory, *, current_version: int | None, now: float

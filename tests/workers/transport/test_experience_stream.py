@@ -287,7 +287,8 @@ def test_server_stale_trajectory_acked_but_dropped_and_counted(server, buffer) -
     client = ExperienceClient(server.url, TOKEN)
     buffer.max_staleness_versions = 2
 
-    client.send([make_trajectory(0, version=1), make_trajectory(1, version=9)], timeout_s=5)
+    # two groups (a member dropped takes its whole group with it)
+    client.send([make_trajectory(0, version=1), make_trajectory(4, version=9)], timeout_s=5)
 
     assert client.pending == 0 and len(buffer) == 1
     assert buffer.dropped["stale_version"] == 1 and server.stats.dropped == 1
@@ -336,7 +337,7 @@ def test_buffer_ages_hold_across_skewed_clocks(skew_s) -> None:
         rollout_clock = lambda: time.time() + skew_s  # noqa: E731
         client = ExperienceClient(server.url, TOKEN, clock=rollout_clock)
         fresh = make_trajectory(0, created_at=rollout_clock() - 1)  # 1 s old, by its own clock
-        old = make_trajectory(1, created_at=rollout_clock() - 60)  # 60 s old: past the limit
+        old = make_trajectory(4, created_at=rollout_clock() - 60)  # 60 s old (another group)
         client.send([fresh, old], timeout_s=10)
         kept = buffered_ids(server, buffer)
 
