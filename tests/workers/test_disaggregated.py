@@ -35,10 +35,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +48,7 @@ import torch
 from rljob_workers.buffer import Trajectory
 from rljob_workers.config import (
     AlgorithmConfig,
+    BufferConfig,
     CheckpointConfig,
     Control,
     Endpoints,
@@ -364,6 +367,37 @@ def test_dapo_step_without_any_group_of_signal_skips_the_update_and_keeps_the_ve
     assert re.search(
         r'^rljob_skipped_steps_total{[^}]*reason="no_signal"[^}]*} 1\.0$', metrics, re.M
     )
+
+
+def test_assembled_group_that_expires_while_the_batch_fills_is_not_trained(tiny_model, tmp_path):
+    """A group taken into the batch, then waiting past the age limit for the batch to fill, is
+    dropped as expired at the next poll instead of being trained on (issue 26 item 7)."""
+    config = _config(
+        tiny_model,
+        tmp_path,
+        batch_size=2,
+        batch_size_mini=2,
+        total_steps=1,
+        buffer=BufferConfig(max_age_seconds=1.5),
+    )
+    prompt = list(build_tokenizer()(PROMPT)["input_ids"])
+    worker, client = _one_trainer(config, tmp_path)
+    box: dict[str, Any] = {}
+    stepping = threading.Thread(target=lambda: box.update(record=worker.train_step()))
+    try:
+        client.send(_synthetic_group("early", 0, prompt), timeout_s=10)
+        stepping.start()
+        time.sleep(2.5)  # "early" sits in the half-full batch past its age limit
+        client.send(_synthetic_group("b", 0, prompt), timeout_s=10)
+        client.send(_synthetic_group("c", 0, prompt), timeout_s=10)
+        stepping.join(timeout=60)
+    finally:
+        client.close()
+        worker.close()
+
+    record = box["record"]
+    assert record["dropped"]["expired"] == 4
+    assert record["groups"] == 2 and record["samples"] == 8
 
 
 def test_trainer_ppo_with_gae_trains_its_own_critic(tiny_model, tmp_path):

@@ -240,7 +240,7 @@ class ExperienceBuffer:
             self.dropped["duplicate"] += 1
             return False
         self._seen_ids.add(trajectory.id)
-        reason = self._broken.get(trajectory.group_id) or self._drop_reason(
+        reason = self._broken.get(trajectory.group_id) or self.drop_reason(
             trajectory, current_version=current_version, now=now
         )
         if reason is not None:
@@ -262,7 +262,7 @@ class ExperienceBuffer:
         before = len(self._entries)
         kept: list[_Entry] = []
         for entry in self._entries:
-            reason = self._drop_reason(entry.trajectory, current_version=current_version, now=now)
+            reason = self.drop_reason(entry.trajectory, current_version=current_version, now=now)
             if reason is None:
                 kept.append(entry)
             else:
@@ -322,9 +322,11 @@ class ExperienceBuffer:
         self.dropped[reason] += len(self._entries) - len(kept)
         self._entries = kept
 
-    def _drop_reason(
+    def drop_reason(
         self, trajectory: Trajectory, *, current_version: int | None, now: float
     ) -> str | None:
+        """Why ``trajectory`` may not be trained on now (a ``DROP_REASONS`` entry), else None:
+        ``malformed``, then ``stale_version`` (with ``current_version``), then ``expired``."""
         if not len(trajectory.response_ids) or len(trajectory.behaviour_logprobs) != len(
             trajectory.response_ids
         ):

@@ -392,6 +392,7 @@ class TrainerWorker:
         size = self.config.algorithm.batch_size
         while True:
             self.accounting.max_versions = self.servers.apply_control()
+            self._reage()
             self._take_groups(size - len(self._assembling))
             batch = self._complete_batch(size)
             if batch is not None:
@@ -402,6 +403,24 @@ class TrainerWorker:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(POLL_S)
+
+    def _reage(self) -> None:
+        """Groups assembled in earlier polls, checked again against the staleness bound and the
+        age limit in force now (a batch may take long to fill, and the bound may tighten):
+        a group with a member too old is dropped whole, counted under that reason."""
+        assert self.servers is not None
+        buffer, now, kept = self.servers.buffer, time.time(), []
+        with self.servers.experience.locked():
+            for group in self._assembling:
+                reasons = (
+                    buffer.drop_reason(t, current_version=self.version, now=now) for t in group
+                )
+                reason = next((r for r in reasons if r is not None), None)
+                if reason is None:
+                    kept.append(group)
+                else:
+                    buffer.dropped[reason] += len(group)
+        self._assembling = kept
 
     def _take_groups(self, wanted: int) -> None:
         assert self.servers is not None
