@@ -46,6 +46,7 @@ from rljob_workers.config import (
     ProcessEnv,
     RolloutConfig,
     SamplingConfig,
+    StalenessConfig,
     TaskConfig,
     WorkerConfig,
 )
@@ -300,6 +301,19 @@ def test_colocated_live_control_tightened_bound_limits_versions_behind(tiny_mode
         tiny_model, tmp_path, '{"max_versions": 0}', batch_size=4, mini_batch_size=2, ppo_epochs=2
     )
     record = runtime.train_step()
+    assert record["max_versions"] == 0
+    assert record["policy_lag_versions"] == 0 and record["policy_version"] == 1
+
+
+def test_colocated_configured_max_versions_bounds_the_update(tiny_model, tmp_path):
+    """spec.staleness.maxVersions holds on a colocated job too, not only a live bound: at 0
+    the two epochs of two minibatches become one optimizer step (issue 26 item 7)."""
+    algorithm = _grpo(batch_size=4, mini_batch_size=2, ppo_epochs=2)
+    config = _config(
+        tiny_model, tmp_path, algorithm=algorithm, n=2, staleness=StalenessConfig(max_versions=0)
+    )
+    record = build_colocated_runtime(config, ENV).train_step()
+
     assert record["max_versions"] == 0
     assert record["policy_lag_versions"] == 0 and record["policy_version"] == 1
 

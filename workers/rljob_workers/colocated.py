@@ -56,6 +56,7 @@ from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
 from rljob_workers.sharding import COMPUTE_DTYPES
+from rljob_workers.staleness import effective_max_versions
 from rljob_workers.startup import StartupClock
 from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, mix_seed, score_groups
 from rljob_workers.utilization import account_colocated_step
@@ -215,8 +216,8 @@ class ColocatedRuntime:
         ``dropped_nonfinite``, ``sampling_rounds``, ``response_length_mean``,
         ``truncated_fraction``, ``engine_logprob_gap`` (mean ``|engine - trainer|`` log-prob of
         the sampled tokens: 0 up to numerics when the engine serves the trainer's weights),
-        ``paused_s``, ``throttle_wait_s``, ``max_versions`` (a live bound, else None),
-        ``buffer_age_s``, ``tokens``, ``time``; ``skipped`` (``no_signal``) on a DAPO step
+        ``paused_s``, ``throttle_wait_s``, ``max_versions`` (the tighter of the configured and
+        a live bound, else None), ``buffer_age_s``, ``tokens``, ``time``; ``skipped`` (``no_signal``) on a DAPO step
         where no group had signal after every sampling round: no update, the same version.
         """
         started = time.perf_counter()
@@ -227,6 +228,8 @@ class ColocatedRuntime:
         self.engine.sleep()
         # DAPO: when no group of any actor had signal after every sampling round, there is
         # nothing to learn from: skip the update and keep the policy version
+        # the configured bound and a live one both hold: the tighter one
+        bound = effective_max_versions(self.config.staleness.max_versions, control.max_versions)
         rows = global_sum([float(len(collected.rollout))], distributed=self.distributed)[0]
         skipped = rows == 0
         metrics: dict[str, Any] = {"optimizer_steps": 0.0}
@@ -234,7 +237,7 @@ class ColocatedRuntime:
             metrics = self.learner.update(
                 collected.rollout.experience(),
                 seed=mix_seed(self.config.seed, self.step, 31),
-                max_versions_behind=control.max_versions,
+                max_versions_behind=bound,
             )
         steps = int(metrics.pop("optimizer_steps"))
         self.policy_version += steps
@@ -269,7 +272,7 @@ class ColocatedRuntime:
             "buffer_age_s": finished - generated_at,
             "paused_s": paused_s,
             "throttle_wait_s": throttle_s,
-            "max_versions": control.max_versions,
+            "max_versions": bound,
             "time": time.time(),
             **metrics,
         }
