@@ -217,8 +217,9 @@ class ColocatedRuntime:
         ``truncated_fraction``, ``engine_logprob_gap`` (mean ``|engine - trainer|`` log-prob of
         the sampled tokens: 0 up to numerics when the engine serves the trainer's weights),
         ``paused_s``, ``throttle_wait_s``, ``max_versions`` (the tighter of the configured and
-        a live bound, else None), ``buffer_age_s``, ``tokens``, ``time``; ``skipped`` (``no_signal``) on a DAPO step
-        where no group had signal after every sampling round: no update, the same version.
+        a live bound, else None), ``buffer_age_s``, ``tokens``, ``time``; ``skipped``
+        (``no_signal``) on a DAPO step where no group had signal after every sampling round:
+        no update, the same version.
         """
         started = time.perf_counter()
         control, paused_s = self._await_control()
