@@ -330,3 +330,28 @@ def test_colocated_dynamic_sampling_ranks_agree_on_rounds_and_cursor(two_ranks):
 
 if __name__ == "__main__":
     rank_main(Path(sys.argv[1]))
+
+
+def test_update_starts_at_ratio_one_with_dropout_in_the_model_config(tmp_path):
+    """A checkpoint whose config sets attention dropout: the update's forward (train mode) and
+    the old log-probs (eval mode) must be the same function, so the first minibatch's ratio is
+    1 (approx_kl 0, nothing clipped). RL trains without dropout (issue 26 item 7)."""
+    import json
+
+    model = build_tiny_model(tmp_path / "dropout", seed=2)
+    config_path = model / "config.json"
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "attention_dropout": 0.5})
+    )
+    policy = PolicyModel.from_pretrained(model)
+    learner = Learner(
+        _config(model, tmp_path, n=4, batch_size=1, mini_batch_size=1), policy, pad_id=PAD
+    )
+    torch.manual_seed(0)
+
+    metrics = learner.update(
+        _rows([5, 6], [[7, 8, 9, 10]] * 2 + [[11, 12, 13, 14]] * 2, [1.0, 1.0, 0.0, 0.0]), seed=0
+    )
+
+    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["clip_fraction"] == 0.0

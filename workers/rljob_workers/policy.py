@@ -205,6 +205,28 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32", device: str = "c
     return model
 
 
+def disable_dropout(module: nn.Module) -> None:
+    """Zero every dropout of ``module``: ``nn.Dropout`` layers, float ``*dropout`` attributes of
+    its submodules (Qwen2 and Llama attention read ``attention_dropout`` in train mode only) and
+    of a Hugging Face config.
+
+    RL post-training runs without dropout, as verl and OpenRLHF do: the update's forward (train
+    mode, where gradient checkpointing works) then computes exactly the log-probs of the
+    no-gradient passes and the engine (eval mode), so the importance ratio starts at 1 and
+    clipping measures policy change, not dropout noise.
+    """
+    for sub in module.modules():
+        if isinstance(sub, nn.Dropout):
+            sub.p = 0.0
+        for name, value in vars(sub).items():
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(sub, name, 0.0)
+        config = getattr(sub, "config", None)
+        for name, value in (vars(config) if config is not None else {}).items():
+            if name.endswith("dropout") and isinstance(value, float):
+                setattr(config, name, 0.0)
+
+
 def _response_slice(batch: SequenceBatch, full: Tensor) -> Tensor:
     """Columns ``P - 1 .. P + T - 2`` of ``full [B, P + T, ...]``: the ones predicting responses."""
     width_t = batch.response_mask.shape[1]
@@ -223,6 +245,7 @@ class PolicyModel(nn.Module):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        disable_dropout(model)
         self.model = model
         self.temperature = temperature
 
@@ -387,6 +410,7 @@ class ValueModel(nn.Module):
 
     def __init__(self, backbone: Any, hidden_size: int) -> None:
         super().__init__()
+        disable_dropout(backbone)
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
