@@ -54,23 +54,15 @@ def _log(message: str) -> None:
 
 
 def _build_model(size: str, folder: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from rljob_workers.tinymodel import build_tiny_model
 
     if size == "tiny":
         return build_tiny_model(folder / "tiny", seed=0, num_layers=4)
-    hidden, layers, inter, vocab, heads, kv = SHAPES[size]
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    from bench.weightsync_bench import qwen2_config_of
+
+    config = qwen2_config_of(SHAPES[size])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     out = folder / size

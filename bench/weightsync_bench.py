@@ -57,9 +57,16 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 
 
 def qwen2_config(size: str) -> Any:
+    """A random-init Qwen2 config of ``SHAPES[size]``."""
+    return qwen2_config_of(SHAPES[size])
+
+
+def qwen2_config_of(shape: tuple[int, int, int, int, int, int]) -> Any:
+    """A Qwen2 config of ``(hidden, layers, intermediate, vocab, heads, kv heads)``, tied
+    embeddings, 512 positions (the shape the benches build random models from)."""
     from transformers import Qwen2Config
 
-    hidden, layers, inter, vocab, heads, kv = SHAPES[size]
+    hidden, layers, inter, vocab, heads, kv = shape
     return Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,

@@ -42,6 +42,23 @@ def apply(cluster: LocalCluster, obj: dict[str, Any]) -> tuple[int, str]:
     return out.returncode, out.stderr + out.stdout
 
 
+def server_defaulted(cluster: LocalCluster, obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` as the API server would store it (dry run): CRD defaults applied. JSON, since
+    YAML would turn 1e-05 into a string."""
+    out = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        "default",
+        "-o",
+        "json",
+        "-f",
+        "-",
+        input=yaml.safe_dump(obj),
+    )
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
 def test_ppo_disaggregated_without_correction_is_rejected(cluster: LocalCluster, crd: None) -> None:
     obj = example()
     obj["spec"]["algorithm"]["name"] = "ppo"
@@ -138,35 +155,14 @@ def test_powersgd_without_sharding_is_accepted_and_stays_unset(
 ) -> None:
     obj = example()
     obj["spec"]["trainer"]["gradientCompression"] = {"type": "powerSGD", "rank": 4}
-    out = cluster.kubectl(
-        "apply",
-        "--dry-run=server",
-        "-n",
-        "default",
-        "-o",
-        "json",  # YAML would turn 1e-05 into a string
-        "-f",
-        "-",
-        input=yaml.safe_dump(obj),
-    )
-    applied = json.loads(out.stdout)
+    applied = server_defaulted(cluster, obj)
     assert "sharding" not in applied["spec"]["trainer"]
     assert resolve_sharding(parse_rljob(applied).spec.trainer) == "ddp"
 
 
 def test_examples_are_accepted_and_defaulted(cluster: LocalCluster, crd: None) -> None:
     for name in ("grpo-colocated", "ppo-colocated", "dapo-disaggregated"):
-        out = cluster.kubectl(
-            "apply",
-            "--dry-run=server",
-            "-n",
-            "default",
-            "-o",
-            "yaml",
-            "-f",
-            str(REPO / "examples" / f"{name}.yaml"),
-        )
-        applied = yaml.safe_load(out.stdout)
+        applied = server_defaulted(cluster, example(name))
         assert applied["spec"]["buffer"]["maxAgeSeconds"] == 7200, name
         assert applied["spec"]["degrade"]["maxPolicyLagMs"] > 0, name
         assert "sharding" not in applied["spec"]["trainer"], name  # resolved by the operator
