@@ -18,5 +18,7 @@ $py -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(
 if [ -f operator/rljob_operator/crdgen.py ]; then
   echo "[test] generated CRD is current"; $py -m rljob_operator.crdgen --check
 fi
+echo "[test] docs site (API reference current, mkdocs build --strict: no dead internal link)"
+bash scripts/build_docs.sh
 echo "[test] pytest"
 exec $py -m pytest "$@"
