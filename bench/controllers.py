@@ -54,11 +54,13 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from bench.operated import operated_cluster
 from bench.operator_scale import job_manifest
+from bench.plotting import figure
 from bench.watch_cost import api_counters, cpu_seconds
 from e2e.cluster import REPO, LocalCluster, binary
 from e2e.jobset import API as JOBSET_API
-from e2e.operator_proc import OperatorProcess, install_crd
+from e2e.operator_proc import OperatorProcess
 from rljob_operator.api import parse_rljob
 from rljob_operator.builders import JobRef, build_children
 from rljob_operator.kube import Kube, resource_path
@@ -400,13 +402,8 @@ def compare(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         controller_qps=args.controller_qps,
     )
     say(f"compare: control plane with 32 fake GPU nodes; systems {systems}")
-    cluster.up(progress=say)
     runs: list[dict[str, Any]] = []
-    try:
-        install_crd(cluster)
-        op = OperatorProcess(cluster, tmp / "operator-compare.log")
-        op.start()
-        kube = Kube.connect(str(cluster.kubeconfig))
+    with operated_cluster(cluster, tmp / "operator-compare.log", progress=say) as (op, kube):
         for run in range(args.repeat):
             order = systems[run % len(systems) :] + systems[: run % len(systems)]
             for system in order:
@@ -417,9 +414,6 @@ def compare(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     f"load {one['load']:.1f})"
                 )
                 runs.append(one)
-        op.kill()
-    finally:
-        cluster.down()
     return summarize_compare(runs, systems, why_no_jobset, args)
 
 
@@ -470,19 +464,15 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         node_grace_seconds=600,
     )
     say(f"scale: control plane with {args.nodes} fake GPU nodes (12 GPUs each)")
-    cluster.up(timeout=900, progress=say)
     result: dict[str, Any] = {
         "nodes": args.nodes,
         "jobs": args.jobs,
         "pods_per_job": args.pods_per_job,
     }
-    try:
-        install_crd(cluster)
-        op = OperatorProcess(cluster, tmp / "operator-scale.log")
-        op.start()
+    log = tmp / "operator-scale.log"
+    with operated_cluster(cluster, log, timeout=900, progress=say) as (op, kube):
         assert op.proc is not None
         pid = op.proc.pid
-        kube = Kube.connect(str(cluster.kubeconfig))
         ns = "scale"
         fresh_namespace(cluster, kube, ns)
         pods_total = args.jobs * args.pods_per_job
@@ -565,9 +555,6 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "pods_created_timeline": downsample([(t - start, n) for t, n in pods.seen_timeline]),
             "jobs_timeline": downsample([(t - start, n) for t, n in jobs.timeline]),
         }
-        op.kill()
-    finally:
-        cluster.down()
     return result
 
 
@@ -586,56 +573,42 @@ def downsample(points: list[tuple[float, int]], step: float = 1.0) -> list[tuple
 
 
 def plot_compare(part: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for system, med in part["medians"].items():
-        mine = [r for r in part["runs"] if r["system"] == system]
-        run = min(mine, key=lambda r: abs(r["running_s"] - med["running_s"]))
-        xs = [0.0] + [t for t, _ in run["timeline"]]
-        ys = [0] + [n for _, n in run["timeline"]]
-        ax.step(xs, ys, where="post", label=f"{system} (median {med['running_s']:.2f} s)")
-    ax.set_xlabel("seconds since create")
-    ax.set_ylabel("pods Running")
-    ax.set_title(f"{part['pods']} pods: apply → Running (median run of {part['repeat']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4), dpi=110) as (_, ax):
+        for system, med in part["medians"].items():
+            mine = [r for r in part["runs"] if r["system"] == system]
+            run = min(mine, key=lambda r: abs(r["running_s"] - med["running_s"]))
+            xs = [0.0] + [t for t, _ in run["timeline"]]
+            ys = [0] + [n for _, n in run["timeline"]]
+            ax.step(xs, ys, where="post", label=f"{system} (median {med['running_s']:.2f} s)")
+        ax.set_xlabel("seconds since create")
+        ax.set_ylabel("pods Running")
+        ax.set_title(f"{part['pods']} pods: apply → Running (median run of {part['repeat']})")
+        ax.legend()
 
 
 def plot_scale(part: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [0.0] + [t for t, _ in part["pods_timeline"]]
-    ys = [0] + [n for _, n in part["pods_timeline"]]
-    created = part.get("pods_created_timeline", [])
-    ax.plot([0.0] + [t for t, _ in created], [0] + [n for _, n in created], label="pods created")
-    ax.plot(xs, ys, label="pods Running")
-    jobs = part["jobs_timeline"]
-    per_job = part["pods_per_job"]
-    ax.plot(
-        [0.0] + [t for t, _ in jobs],
-        [0] + [n * per_job for _, n in jobs],
-        label=f"RLJobs Running × {per_job}",
-    )
-    ax.set_xlabel("seconds since the first create")
-    ax.set_ylabel("count")
-    ax.set_title(
-        f"{part['jobs']} RLJobs × {per_job} pods on {part['nodes']} fake GPU nodes "
-        f"(load {part['load_1min']['median']:.0f} on 2 cores)"
-    )
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4), dpi=110) as (_, ax):
+        xs = [0.0] + [t for t, _ in part["pods_timeline"]]
+        ys = [0] + [n for _, n in part["pods_timeline"]]
+        created = part.get("pods_created_timeline", [])
+        ax.plot(
+            [0.0] + [t for t, _ in created], [0] + [n for _, n in created], label="pods created"
+        )
+        ax.plot(xs, ys, label="pods Running")
+        jobs = part["jobs_timeline"]
+        per_job = part["pods_per_job"]
+        ax.plot(
+            [0.0] + [t for t, _ in jobs],
+            [0] + [n * per_job for _, n in jobs],
+            label=f"RLJobs Running × {per_job}",
+        )
+        ax.set_xlabel("seconds since the first create")
+        ax.set_ylabel("count")
+        ax.set_title(
+            f"{part['jobs']} RLJobs × {per_job} pods on {part['nodes']} fake GPU nodes "
+            f"(load {part['load_1min']['median']:.0f} on 2 cores)"
+        )
+        ax.legend()
 
 
 def print_compare(part: dict[str, Any]) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from bench.plotting import figure
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TOKEN = "bench-token"
@@ -295,38 +297,34 @@ def _print_tables(result: dict[str, Any]) -> None:
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
-    ingest = result["ingest"]
-    labels = [f"{r['clients']}x b{r['batch']}" for r in ingest]
-    axes[0].bar(labels, [r["trajectories_per_s"] for r in ingest], color="tab:blue")
-    axes[0].set_title("trainer ingest (trajectories/s)")
-    axes[0].set_xlabel("rollout processes x batch size")
-    sync = result["weight_sync"]
-    models = list(dict.fromkeys(r["model"] for r in sync))
-    width = 0.25
-    for i, compression in enumerate(("none", "bf16", "fp8")):
-        values = [
-            next(r["total_ms"] for r in sync if r["model"] == m and r["compression"] == compression)
-            for m in models
-        ]
-        axes[1].bar([x + (i - 1) * width for x in range(len(models))], values, width)
-    axes[1].set_xticks(range(len(models)), models)
-    axes[1].set_yscale("log")
-    axes[1].set_title("weight sync latency (ms, log)")
-    axes[1].legend(["none", "bf16", "fp8"])
-    lag = result["policy_lag"]
-    if lag:
-        axes[2].hist(lag["lag_samples_ms"], bins=30, color="tab:green")
-        axes[2].set_title(f"policy lag under load (median {lag['median_ms']:.0f} ms)")
-        axes[2].set_xlabel("optimizer step -> rollout serves version (ms)")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    with figure(path, 1, 3, figsize=(15, 4)) as (_, axes):
+        ingest = result["ingest"]
+        labels = [f"{r['clients']}x b{r['batch']}" for r in ingest]
+        axes[0].bar(labels, [r["trajectories_per_s"] for r in ingest], color="tab:blue")
+        axes[0].set_title("trainer ingest (trajectories/s)")
+        axes[0].set_xlabel("rollout processes x batch size")
+        sync = result["weight_sync"]
+        models = list(dict.fromkeys(r["model"] for r in sync))
+        width = 0.25
+        for i, compression in enumerate(("none", "bf16", "fp8")):
+            values = [
+                next(
+                    r["total_ms"]
+                    for r in sync
+                    if r["model"] == m and r["compression"] == compression
+                )
+                for m in models
+            ]
+            axes[1].bar([x + (i - 1) * width for x in range(len(models))], values, width)
+        axes[1].set_xticks(range(len(models)), models)
+        axes[1].set_yscale("log")
+        axes[1].set_title("weight sync latency (ms, log)")
+        axes[1].legend(["none", "bf16", "fp8"])
+        lag = result["policy_lag"]
+        if lag:
+            axes[2].hist(lag["lag_samples_ms"], bins=30, color="tab:green")
+            axes[2].set_title(f"policy lag under load (median {lag['median_ms']:.0f} ms)")
+            axes[2].set_xlabel("optimizer step -> rollout serves version (ms)")
 
 
 def main() -> int:

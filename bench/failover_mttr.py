@@ -23,8 +23,9 @@ from typing import Any
 
 import yaml
 
+from bench.operated import operated_cluster
+from bench.plotting import figure
 from e2e.cluster import REPO, LocalCluster
-from e2e.operator_proc import OperatorProcess, install_crd
 from rljob_operator.kube import Kube
 
 RESULTS = REPO / "bench" / "results"
@@ -71,12 +72,7 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp) / "c", gpu_nodes=4, tie_to_parent=True)
-        cluster.up()
-        try:
-            install_crd(cluster)
-            op = OperatorProcess(cluster, Path(tmp) / "op.log")
-            op.start()
-            kube = Kube.connect(str(cluster.kubeconfig))
+        with operated_cluster(cluster, Path(tmp) / "op.log") as (_, kube):
             raw = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())
             raw["metadata"]["name"] = "mttr"
             raw["spec"]["failurePolicy"] = {
@@ -118,9 +114,6 @@ def main() -> int:
                         )
                     )
                 )
-            op.kill()
-        finally:
-            cluster.down()
     result: dict[str, Any] = {
         "note": "from the chaos label (pod Failed after kwok's stage delay) to replacement "
         f"Running; isolated: {args.spacing:g} s after the job settled; back to back: at once",
@@ -153,21 +146,14 @@ def main() -> int:
 
 
 def _plot(series: dict[str, tuple[list[float], list[float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    data, labels = [], []
-    for kind, (rollout_s, trainer_s) in series.items():
-        data += [rollout_s, trainer_s]
-        labels += [f"rollout pod\n{kind}", f"trainer group\n{kind}"]
-    ax.boxplot(data, tick_labels=labels)
-    ax.set_ylabel("seconds to Running again")
-    ax.set_title("Failover MTTR on the local control plane (kwok chaos)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with figure(path, figsize=(7, 3.5)) as (_, ax):
+        data, labels = [], []
+        for kind, (rollout_s, trainer_s) in series.items():
+            data += [rollout_s, trainer_s]
+            labels += [f"rollout pod\n{kind}", f"trainer group\n{kind}"]
+        ax.boxplot(data, tick_labels=labels)
+        ax.set_ylabel("seconds to Running again")
+        ax.set_title("Failover MTTR on the local control plane (kwok chaos)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ optimizer state this rank holds, and ``rljob plan``'s per-rank estimate for the 
     python -m bench.gpu_check [--steps 6] [--rows 8] [--prompt 512] [--response 512]
         [--micro-batch-tokens 4096] [--out bench/results/gpu_check.json]
 
-No test or CI step depends on it; run it where a GPU is lent (README "GPU check").
+No test or CI step depends on it; run it where a GPU is lent (docs/benchmarks.md "GPU check").
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.plotting import figure
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 ALGORITHMS = ("ppo", "grpo", "dr-grpo", "dapo")
@@ -421,10 +423,6 @@ def _training_idle(row: dict[str, Any]) -> float | None:
 def plot_heatmap(result: dict[str, Any], path: Path) -> None:
     """Heatmaps (algorithm × topology/correction): final reward, samples/s and the training
     role's idle fraction; blank = not run, * = a pairing the operator rejects."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     columns = ["colocated/none"] + [f"disagg-v{v}/{c}" for v in MAX_VERSIONS for c in CORRECTIONS]
@@ -433,30 +431,29 @@ def plot_heatmap(result: dict[str, Any], path: Path) -> None:
         ("samples_per_s", "samples/s (steady state)", None),
         ("training_idle", "idle fraction of the training role (actor / trainer)", (0.0, 1.0)),
     )
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 10), constrained_layout=True)
-    for ax, (key, title, limits) in zip(axes, panels, strict=True):
-        grid = np.full((len(ALGORITHMS), len(columns)), np.nan)
-        rejected = set()
-        for row in result["cells"]:
-            value = _training_idle(row) if key == "training_idle" else row.get(key)
-            i = ALGORITHMS.index(row["algorithm"])
-            j = columns.index(row["cell"].split("/", 1)[1])
-            if not row["allowed"]:
-                rejected.add((i, j))
-            if value is not None:
-                grid[i, j] = value
-        vmin, vmax = limits if limits else (None, None)
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax)
-        for (i, j), value in np.ndenumerate(grid):
-            if not np.isnan(value):
-                mark = "*" if (i, j) in rejected else ""
-                ax.text(j, i, f"{value:.2f}{mark}", ha="center", va="center", color="red")
-        ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right", fontsize=8)
-        ax.set_yticks(range(len(ALGORITHMS)), ALGORITHMS)
-        ax.set_title(f"{title}, task {result['task']} (blank: not run; *: rejected pairing)")
-        fig.colorbar(image, ax=ax)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    drawing = figure(path, len(panels), 1, figsize=(14, 10), constrained_layout=True, tight=False)
+    with drawing as (fig, axes):
+        for ax, (key, title, limits) in zip(axes, panels, strict=True):
+            grid = np.full((len(ALGORITHMS), len(columns)), np.nan)
+            rejected = set()
+            for row in result["cells"]:
+                value = _training_idle(row) if key == "training_idle" else row.get(key)
+                i = ALGORITHMS.index(row["algorithm"])
+                j = columns.index(row["cell"].split("/", 1)[1])
+                if not row["allowed"]:
+                    rejected.add((i, j))
+                if value is not None:
+                    grid[i, j] = value
+            vmin, vmax = limits if limits else (None, None)
+            image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax)
+            for (i, j), value in np.ndenumerate(grid):
+                if not np.isnan(value):
+                    mark = "*" if (i, j) in rejected else ""
+                    ax.text(j, i, f"{value:.2f}{mark}", ha="center", va="center", color="red")
+            ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right", fontsize=8)
+            ax.set_yticks(range(len(ALGORITHMS)), ALGORITHMS)
+            ax.set_title(f"{title}, task {result['task']} (blank: not run; *: rejected pairing)")
+            fig.colorbar(image, ax=ax)
 
 
 SMOKE_CELLS = ("grpo/colocated/none", "dapo/disagg-v2/none")

@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
+from bench.operated import operated_cluster
 from e2e.cluster import REPO, LocalCluster
-from e2e.operator_proc import OperatorProcess, install_crd
+from e2e.operator_proc import OperatorProcess
 from rljob_operator.api import parse_rljob
 from rljob_operator.builders import JobRef, build_children
 from rljob_operator.kube import Kube
@@ -148,21 +149,13 @@ def main() -> int:
             Path(tmp) / "cluster", gpu_nodes=100, gpus_per_node=10, tie_to_parent=True
         )
         say("starting a control plane with 100 fake GPU nodes (10 GPUs each)")
-        cluster.up()
-        try:
-            install_crd(cluster)
-            op = OperatorProcess(cluster, Path(tmp) / "operator.log")
-            op.start()
-            kube = Kube.connect(str(cluster.kubeconfig))
+        with operated_cluster(cluster, Path(tmp) / "operator.log") as (op, kube):
             single = []
             for run in range(args.repeat):
                 say(f"64-pod job, run {run + 1}/{args.repeat}")
                 single.append(bench_single_job(cluster, kube, run))
             say(f"{args.jobs} jobs x 10 pods")
             many = bench_many_jobs(cluster, kube, op, args.jobs)
-            op.kill()
-        finally:
-            cluster.down()
     op_med = statistics.median(r["operator_s"] for r in single)
     floor_med = statistics.median(r["floor_s"] for r in single)
     result = {

@@ -13,7 +13,8 @@ vLLM engine on one GPU (no tensor parallel yet) within its ``gpu_memory_utilizat
 
 The shapes are the public ``config.json`` values of the Qwen2.5 base models (no download).
 
-Usage: ``python -m bench.plan_table`` (README's table is this output; a test compares them).
+Usage: ``python -m bench.plan_table`` (the table in docs/concepts/plan.md is this output; a test
+compares them).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def rollout_cell(shape: ModelShape) -> str:
 
 
 def render_table() -> str:
-    """The Markdown table (the README's)."""
+    """The Markdown table (the one in docs/concepts/plan.md)."""
     head = " | ".join(f"trainer on {n} × 80 GB" for n in WORLDS)
     lines = [
         f"| model | parameters | {head} | rollout engine on 1 × 80 GB |",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.plotting import figure
 from rljob_workers.engine import make_engine
 from rljob_workers.tasks import generate_examples
 from rljob_workers.tinymodel import build_tiny_model
@@ -124,24 +125,19 @@ def _state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _plot(result: dict[str, object], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.boxplot(
-        [result["worker_tokens_per_s"], result["raw_vllm_tokens_per_s"]],
-        tick_labels=["worker engine", "raw vLLM"],
-    )
-    a.set_ylabel("tokens/s")
-    a.set_title("Rollout throughput (same batch)")
-    b.boxplot([result["weight_push_ms"], result["memcpy_ms"]], tick_labels=["live push", "memcpy"])
-    b.set_ylabel("ms")
-    b.set_yscale("log")
-    b.set_title("Weight push vs plain copy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with figure(path, 1, 2, figsize=(9, 3.5)) as (_, (a, b)):
+        a.boxplot(
+            [result["worker_tokens_per_s"], result["raw_vllm_tokens_per_s"]],
+            tick_labels=["worker engine", "raw vLLM"],
+        )
+        a.set_ylabel("tokens/s")
+        a.set_title("Rollout throughput (same batch)")
+        b.boxplot(
+            [result["weight_push_ms"], result["memcpy_ms"]], tick_labels=["live push", "memcpy"]
+        )
+        b.set_ylabel("ms")
+        b.set_yscale("log")
+        b.set_title("Weight push vs plain copy")
 
 
 if __name__ == "__main__":

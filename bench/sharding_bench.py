@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from bench.plotting import figure
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # hidden, layers, intermediate, vocab, heads, kv heads
 SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -306,11 +308,6 @@ def _run_ranks(args: list[str], what: str) -> None:
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = list(results)
     panels = [
         ("step_s", "step time (s)"),
@@ -318,23 +315,21 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ("save_s", "checkpoint save (s)"),
         ("publish_s", "weights out (s)"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        for offset, sharding in ((-0.2, "ddp"), (0.2, "fsdp")):
-            values = []
-            for size in sizes:
-                row = results[size][sharding]
-                values.append(
-                    sum(row["state_bytes"].values()) / 2**30 if key == "state_gib" else row[key]
-                )
-            ax.bar([i + offset for i in range(len(sizes))], values, width=0.4, label=sharding)
-        ax.set_xticks(range(len(sizes)), sizes)
-        ax.set_title(title)
-        ax.set_yscale("log")
-    axes[0].legend()
-    fig.suptitle("FSDP2 vs DDP, 2 gloo ranks (rank 0), medians")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 1, len(panels), figsize=(4 * len(panels), 3.4), dpi=110) as (fig, axes):
+        for ax, (key, title) in zip(axes, panels, strict=True):
+            for offset, sharding in ((-0.2, "ddp"), (0.2, "fsdp")):
+                values = []
+                for size in sizes:
+                    row = results[size][sharding]
+                    values.append(
+                        sum(row["state_bytes"].values()) / 2**30 if key == "state_gib" else row[key]
+                    )
+                ax.bar([i + offset for i in range(len(sizes))], values, width=0.4, label=sharding)
+            ax.set_xticks(range(len(sizes)), sizes)
+            ax.set_title(title)
+            ax.set_yscale("log")
+        axes[0].legend()
+        fig.suptitle("FSDP2 vs DDP, 2 gloo ranks (rank 0), medians")
 
 
 def main(argv: list[str] | None = None) -> int:

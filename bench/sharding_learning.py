@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from bench.plotting import figure
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 EXAMPLES = {
@@ -140,24 +142,19 @@ def render_table(runs: list[dict[str, Any]]) -> str:
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     examples = list(dict.fromkeys(r["example"] for r in runs))
-    fig, axes = plt.subplots(1, len(examples), figsize=(6 * len(examples), 3.6), squeeze=False)
-    for ax, example in zip(axes[0], examples, strict=True):
-        for r in runs:
-            if r["example"] != example:
-                continue
-            style = "-" if r["sharding"] == "fsdp" else "--"
-            ax.plot(r["rewards"], style, label=f"{r['sharding']} seed {r['seed']}")
-        ax.set_title(f"{example}: reward per step")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(
+        path, 1, len(examples), figsize=(6 * len(examples), 3.6), squeeze=False, dpi=110
+    ) as (_, axes):
+        for ax, example in zip(axes[0], examples, strict=True):
+            for r in runs:
+                if r["example"] != example:
+                    continue
+                style = "-" if r["sharding"] == "fsdp" else "--"
+                ax.plot(r["rewards"], style, label=f"{r['sharding']} seed {r['seed']}")
+            ax.set_title(f"{example}: reward per step")
+            ax.set_xlabel("step")
+            ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

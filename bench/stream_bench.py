@@ -32,13 +32,14 @@ import random
 import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.loopback import timed_send
+from bench.plotting import figure
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.transport import ExperienceClient, ExperienceServer
 from rljob_workers.transport.codec import decode_binary, encode_binary
@@ -82,31 +83,14 @@ def tokens_of(trajectories: list[Trajectory]) -> int:
 
 def measure_floor(bodies: list[bytes]) -> float:
     """Seconds to move ``bodies`` (length-prefixed) over a loopback socket into a buffer."""
-    listener = socket.create_server(("127.0.0.1", 0))
+
+    def send(client: socket.socket) -> None:
+        for body in bodies:
+            client.sendall(len(body).to_bytes(8, "little"))
+            client.sendall(body)
+
     total = sum(8 + len(b) for b in bodies)
-    sink = bytearray(max(len(b) for b in bodies) + 8)
-
-    def receive() -> None:
-        conn, _ = listener.accept()
-        view, left = memoryview(sink), total
-        while left:
-            left -= conn.recv_into(view[: min(left, len(view))])
-        conn.sendall(b"k")
-        conn.close()
-
-    receiver = threading.Thread(target=receive)
-    receiver.start()
-    client = socket.create_connection(listener.getsockname())
-    start = time.perf_counter()
-    for body in bodies:
-        client.sendall(len(body).to_bytes(8, "little"))
-        client.sendall(body)
-    client.recv(1)
-    elapsed = time.perf_counter() - start
-    receiver.join()
-    client.close()
-    listener.close()
-    return elapsed
+    return timed_send(send, total, sink_size=max(len(b) for b in bodies) + 8)
 
 
 def _rollout(
@@ -259,25 +243,17 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
-    modes = list(result["rows"])
-    colors = ["tab:gray", "tab:green", "tab:red"]
-    axes[0].bar(modes, [result["rows"][m]["mtokens_per_s"] for m in modes], color=colors)
-    axes[0].axhline(10, linestyle="--", color="black", linewidth=1)
-    axes[0].set_yscale("log")
-    axes[0].set_title("ingest, million tokens/s (goal 10, dashed)")
-    axes[1].bar(modes, [result["rows"][m]["mb_per_s"] for m in modes], color=colors)
-    axes[1].axhline(100, linestyle="--", color="black", linewidth=1)
-    axes[1].set_yscale("log")
-    axes[1].set_title("ingest, MB/s on the wire (goal 100, dashed)")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    with figure(path, 1, 2, figsize=(10, 4)) as (_, axes):
+        modes = list(result["rows"])
+        colors = ["tab:gray", "tab:green", "tab:red"]
+        axes[0].bar(modes, [result["rows"][m]["mtokens_per_s"] for m in modes], color=colors)
+        axes[0].axhline(10, linestyle="--", color="black", linewidth=1)
+        axes[0].set_yscale("log")
+        axes[0].set_title("ingest, million tokens/s (goal 10, dashed)")
+        axes[1].bar(modes, [result["rows"][m]["mb_per_s"] for m in modes], color=colors)
+        axes[1].axhline(100, linestyle="--", color="black", linewidth=1)
+        axes[1].set_yscale("log")
+        axes[1].set_title("ingest, MB/s on the wire (goal 100, dashed)")
 
 
 def main() -> int:

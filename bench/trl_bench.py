@@ -53,6 +53,8 @@ from typing import Any
 
 import yaml
 
+from bench.plotting import figure
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 EXAMPLE = REPO / "examples" / "grpo-colocated.yaml"
@@ -551,66 +553,65 @@ def print_table(result: dict[str, Any]) -> None:
 def _plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summary = {n: s for n, s in result["summary"].items() if s.get("ok")}
     names = list(summary)
-    fig, (a, b, c, d) = plt.subplots(1, 4, figsize=(19, 4))
-    x = range(len(names))
-    a.bar(
-        [i - 0.2 for i in x],
-        [summary[n]["completions_per_s_wall"] for n in names],
-        0.4,
-        label="end to end",
-    )
-    a.bar(
-        [i + 0.2 for i in x],
-        [summary[n]["completions_per_s_loop"] for n in names],
-        0.4,
-        label="in the loop",
-    )
-    a.set_xticks(list(x), names, rotation=15, fontsize=8)
-    a.set_ylabel("completions/s (median of seeds)")
-    a.legend(fontsize=8)
-    a.set_title("Throughput")
-    bottom = [0.0] * len(names)
-    phase_names = sorted({p for s in summary.values() for p in s["startup_phases_s"]})
-    colours = plt.get_cmap("tab20")
-    for position, phase in enumerate(phase_names):
-        values = [summary[n]["startup_phases_s"].get(phase, 0.0) for n in names]
-        b.bar(list(x), values, 0.6, bottom=bottom, label=phase, color=colours(position))
-        bottom = [u + v for u, v in zip(bottom, values, strict=True)]
-    b.set_xticks(list(x), names, rotation=15, fontsize=8)
-    b.set_ylabel("s")
-    b.legend(fontsize=7)
-    b.set_title("Start-up by phase")
-    bottom = [0.0] * len(names)
-    for part in ("generate_ms", "train_ms", "reload_ms"):
-        values = [summary[n][part] for n in names]
-        c.bar(list(x), values, 0.6, bottom=bottom, label=part.removesuffix("_ms"))
-        bottom = [u + v for u, v in zip(bottom, values, strict=True)]
-    c.set_xticks(list(x), names, rotation=15, fontsize=8)
-    c.set_ylabel("ms per step (median)")
-    c.legend(fontsize=8)
-    c.set_title("Where a step goes")
-    for name in names:
-        curves = [r["rewards"] for r in result["runs"][name] if r.get("ok") and r.get("rewards")]
-        if not curves:
-            continue
-        steps = min(len(curve) for curve in curves)
-        mean = [statistics.fmean(curve[i] for curve in curves) for i in range(steps)]
-        (line,) = d.plot(range(1, steps + 1), mean, label=f"{name} (mean of {len(curves)})")
-        for curve in curves:
-            d.plot(range(1, steps + 1), curve[:steps], color=line.get_color(), alpha=0.15, lw=0.8)
-    d.set_xlabel("step (128 completions)")
-    d.set_ylabel("mean reward of the step")
-    d.legend(fontsize=7)
-    d.set_title("Learning: each seed (faint) and the mean")
-    load = result["load_avg_start"][0]
-    fig.suptitle(f"RL loop vs TRL {result['trl_version']} (load {load:.1f} at start)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with figure(path, 1, 4, figsize=(19, 4)) as (fig, (a, b, c, d)):
+        x = range(len(names))
+        a.bar(
+            [i - 0.2 for i in x],
+            [summary[n]["completions_per_s_wall"] for n in names],
+            0.4,
+            label="end to end",
+        )
+        a.bar(
+            [i + 0.2 for i in x],
+            [summary[n]["completions_per_s_loop"] for n in names],
+            0.4,
+            label="in the loop",
+        )
+        a.set_xticks(list(x), names, rotation=15, fontsize=8)
+        a.set_ylabel("completions/s (median of seeds)")
+        a.legend(fontsize=8)
+        a.set_title("Throughput")
+        bottom = [0.0] * len(names)
+        phase_names = sorted({p for s in summary.values() for p in s["startup_phases_s"]})
+        colours = matplotlib.colormaps["tab20"]
+        for position, phase in enumerate(phase_names):
+            values = [summary[n]["startup_phases_s"].get(phase, 0.0) for n in names]
+            b.bar(list(x), values, 0.6, bottom=bottom, label=phase, color=colours(position))
+            bottom = [u + v for u, v in zip(bottom, values, strict=True)]
+        b.set_xticks(list(x), names, rotation=15, fontsize=8)
+        b.set_ylabel("s")
+        b.legend(fontsize=7)
+        b.set_title("Start-up by phase")
+        bottom = [0.0] * len(names)
+        for part in ("generate_ms", "train_ms", "reload_ms"):
+            values = [summary[n][part] for n in names]
+            c.bar(list(x), values, 0.6, bottom=bottom, label=part.removesuffix("_ms"))
+            bottom = [u + v for u, v in zip(bottom, values, strict=True)]
+        c.set_xticks(list(x), names, rotation=15, fontsize=8)
+        c.set_ylabel("ms per step (median)")
+        c.legend(fontsize=8)
+        c.set_title("Where a step goes")
+        for name in names:
+            curves = [
+                r["rewards"] for r in result["runs"][name] if r.get("ok") and r.get("rewards")
+            ]
+            if not curves:
+                continue
+            steps = min(len(curve) for curve in curves)
+            mean = [statistics.fmean(curve[i] for curve in curves) for i in range(steps)]
+            (line,) = d.plot(range(1, steps + 1), mean, label=f"{name} (mean of {len(curves)})")
+            for curve in curves:
+                d.plot(
+                    range(1, steps + 1), curve[:steps], color=line.get_color(), alpha=0.15, lw=0.8
+                )
+        d.set_xlabel("step (128 completions)")
+        d.set_ylabel("mean reward of the step")
+        d.legend(fontsize=7)
+        d.set_title("Learning: each seed (faint) and the mean")
+        load = result["load_avg_start"][0]
+        fig.suptitle(f"RL loop vs TRL {result['trl_version']} (load {load:.1f} at start)")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from bench.plotting import figure
 from e2e.cluster import REPO, LocalCluster
 from e2e.operator_proc import OperatorProcess
 from rljob_operator.kube import Kube
@@ -168,33 +169,26 @@ def before_code(rev: str, tmp: Path) -> Path:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     metrics = [
         ("requests_per_job_minute", "API requests / job-minute"),
         ("kib_per_job_minute", "KiB received / job-minute"),
         ("cores_per_100_jobs", "operator cores / 100 idle jobs"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    counts = sorted({r["jobs"] for r in results})
-    for ax, (key, title) in zip(axes, metrics, strict=True):
-        for i, version in enumerate(("before", "after")):
-            values = [
-                next((r[key] for r in results if r["version"] == version and r["jobs"] == n), 0)
-                for n in counts
-            ]
-            xs = [j + (i - 0.5) * 0.35 for j in range(len(counts))]
-            bars = ax.bar(xs, values, width=0.35, label=version)
-            ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_xticks(range(len(counts)), [f"{n} jobs" for n in counts])
-        ax.set_title(title)
-    axes[0].legend()
-    fig.suptitle("Idle RLJobs (no heartbeats, no edits): cost to the operator and API server")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with figure(path, 1, 3, figsize=(13, 4)) as (fig, axes):
+        counts = sorted({r["jobs"] for r in results})
+        for ax, (key, title) in zip(axes, metrics, strict=True):
+            for i, version in enumerate(("before", "after")):
+                values = [
+                    next((r[key] for r in results if r["version"] == version and r["jobs"] == n), 0)
+                    for n in counts
+                ]
+                xs = [j + (i - 0.5) * 0.35 for j in range(len(counts))]
+                bars = ax.bar(xs, values, width=0.35, label=version)
+                ax.bar_label(bars, fmt="%.3g", fontsize=8)
+            ax.set_xticks(range(len(counts)), [f"{n} jobs" for n in counts])
+            ax.set_title(title)
+        axes[0].legend()
+        fig.suptitle("Idle RLJobs (no heartbeats, no edits): cost to the operator and API server")
 
 
 def main() -> int:

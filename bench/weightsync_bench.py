@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from bench.loopback import timed_send
+from bench.plotting import figure
 from rljob_workers.weightsync import ReceivedWeights, WeightClient, WeightServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,32 +97,15 @@ def random_state(size: str) -> dict[str, torch.Tensor]:
 def loopback_floor(nbytes: int, chunk: int = 64 << 20) -> float:
     """Seconds to move ``nbytes`` over a loopback socket (64 MB pre-faulted buffers each side)."""
     source = bytearray(min(chunk, nbytes))
-    sink = bytearray(min(chunk, nbytes))
-    listener = socket.create_server(("127.0.0.1", 0))
 
-    def receive() -> None:
-        conn, _ = listener.accept()
-        view, got = memoryview(sink), 0
-        while got < nbytes:
-            got += conn.recv_into(view[: min(len(view), nbytes - got)])
-        conn.sendall(b"k")
-        conn.close()
+    def send(client: socket.socket) -> None:
+        sent = 0
+        while sent < nbytes:
+            piece = memoryview(source)[: min(len(source), nbytes - sent)]
+            client.sendall(piece)
+            sent += len(piece)
 
-    receiver = threading.Thread(target=receive)
-    receiver.start()
-    client = socket.create_connection(listener.getsockname())
-    start = time.perf_counter()
-    sent = 0
-    while sent < nbytes:
-        piece = memoryview(source)[: min(len(source), nbytes - sent)]
-        client.sendall(piece)
-        sent += len(piece)
-    client.recv(1)
-    elapsed = time.perf_counter() - start
-    receiver.join()
-    client.close()
-    listener.close()
-    return elapsed
+    return timed_send(send, nbytes, sink_size=min(chunk, nbytes))
 
 
 def flat_memcpy(nbytes: int, chunk: int = 64 << 20) -> float:
@@ -354,42 +339,36 @@ def print_tables(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4), dpi=100)
-    sizes = [entry["size"] for entry in result["sync"]]
-    width = 0.2
-    for i, mode in enumerate(("floor", *COMPRESSIONS)):
-        values = [entry["rows"][mode]["total_s"] for entry in result["sync"]]
-        axes[0].bar([x + (i - 1.5) * width for x in range(len(sizes))], values, width, label=mode)
-    axes[0].set_xticks(range(len(sizes)), sizes)
-    axes[0].set_yscale("log")
-    axes[0].set_title("publish -> fetch -> load, seconds (log)")
-    axes[0].legend()
-    colocated = result["colocated"]
-    if colocated:
-        labels = [f"{r['engine']} {r['params'] / 1e6:.0f}M" for r in colocated]
-        axes[1].bar(
-            [x - 0.2 for x in range(len(labels))],
-            [r["reload_s"] for r in colocated],
-            0.4,
-            label="load_weights",
-        )
-        axes[1].bar(
-            [x + 0.2 for x in range(len(labels))],
-            [r["memcpy_s"] for r in colocated],
-            0.4,
-            label="memcpy",
-        )
-        axes[1].set_xticks(range(len(labels)), labels)
-        axes[1].set_title("colocated in-process reload, seconds")
-        axes[1].legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    with figure(path, 1, 2, figsize=(12, 4)) as (_, axes):
+        sizes = [entry["size"] for entry in result["sync"]]
+        width = 0.2
+        for i, mode in enumerate(("floor", *COMPRESSIONS)):
+            values = [entry["rows"][mode]["total_s"] for entry in result["sync"]]
+            axes[0].bar(
+                [x + (i - 1.5) * width for x in range(len(sizes))], values, width, label=mode
+            )
+        axes[0].set_xticks(range(len(sizes)), sizes)
+        axes[0].set_yscale("log")
+        axes[0].set_title("publish -> fetch -> load, seconds (log)")
+        axes[0].legend()
+        colocated = result["colocated"]
+        if colocated:
+            labels = [f"{r['engine']} {r['params'] / 1e6:.0f}M" for r in colocated]
+            axes[1].bar(
+                [x - 0.2 for x in range(len(labels))],
+                [r["reload_s"] for r in colocated],
+                0.4,
+                label="load_weights",
+            )
+            axes[1].bar(
+                [x + 0.2 for x in range(len(labels))],
+                [r["memcpy_s"] for r in colocated],
+                0.4,
+                label="memcpy",
+            )
+            axes[1].set_xticks(range(len(labels)), labels)
+            axes[1].set_title("colocated in-process reload, seconds")
+            axes[1].legend()
 
 
 def main() -> int:

@@ -207,7 +207,7 @@ class LocalCluster:
         (self.workdir / "logs").mkdir(exist_ok=True)
         names = ["etcd", "etcd_peer", "apiserver", "kcm", "sched", "kwok"]
         if self.kueue:
-            names += ["kueue_webhook", "kueue_health", "kueue_metrics"]
+            names += list(kueue.PORTS)
         if self.jobset:
             names += list(jobset.PORTS)
         ports = {k: free_port() for k in names}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,16 +62,11 @@ def operator(
         Path(tmp_path_factory.mktemp("operator")) / "operator.log",
         args=("--all-namespaces", "--scale-cooldown-seconds=3"),
     )
-    proc.start()
-    try:
+    with proc.running():
         yield proc
-    finally:
-        proc.kill(signal.SIGTERM)
 
 
 @pytest.fixture
 def live_operator(operator: OperatorProcess) -> OperatorProcess:
     """The session operator, restarted first if an earlier test killed it."""
-    if operator.proc is None or operator.proc.poll() is not None:
-        operator.start()
-    return operator
+    return operator.ensure_running()

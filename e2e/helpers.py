@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import LocalCluster
+from rljob_workers.config import Progress
 
 
 def wait_for(
@@ -26,6 +27,38 @@ def wait_for(
         time.sleep(interval)
 
 
+def report(cluster: LocalCluster, ns: str, job: str, progress: Progress) -> None:
+    """Write ``progress`` into the job's progress ConfigMap, as a worker does."""
+    patch = {"data": {progress.key: progress.model_dump_json()}}
+    cluster.kubectl(
+        "patch", "configmap", f"{job}-progress", "-n", ns, "--type=merge", "-p", json.dumps(patch)
+    )
+
+
+def report_now(cluster: LocalCluster, ns: str, job: str, **fields: Any) -> None:
+    """Report a worker's ``Progress`` of ``fields``, stamped with the time now."""
+    report(cluster, ns, job, Progress(time=time.time(), **fields))
+
+
 def get_json(cluster: LocalCluster, *args: str) -> dict[str, Any]:
     """``kubectl get ... -o json`` parsed."""
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)  # type: ignore[no-any-return]
+
+
+def dry_run_apply(cluster: LocalCluster, obj: dict[str, Any], *extra: str) -> tuple[int, str]:
+    """``kubectl apply --dry-run=server`` of ``obj`` in namespace default: (exit code, output;
+    the stored object as JSON when accepted, else the server's refusal)."""
+    out = cluster.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-o",
+        "json",
+        "-n",
+        "default",
+        *extra,
+        "-f",
+        "-",
+        input=json.dumps(obj),
+        check=False,
+    )
+    return out.returncode, out.stdout + out.stderr

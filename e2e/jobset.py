@@ -19,16 +19,12 @@ copied from the module source). Here it runs as one more loopback process of the
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-from e2e import kueue
-
-if TYPE_CHECKING:
-    from e2e.cluster import LocalCluster
+from e2e.base import Cluster, apply_established, b64, write_cert_dir, write_certs
 
 API = "jobset.x-k8s.io/v1alpha2"
 POD_SELECTOR = {
@@ -37,16 +33,12 @@ POD_SELECTOR = {
 PORTS = ("jobset_webhook", "jobset_health", "jobset_metrics")
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 def _hook(name: str, path: str, port: int, ca: bytes, rule: dict[str, Any]) -> dict[str, Any]:
     hook: dict[str, Any] = {
         "name": name,
         "admissionReviewVersions": ["v1"],
         "sideEffects": "None",
-        "clientConfig": {"url": f"https://127.0.0.1:{port}{path}", "caBundle": _b64(ca)},
+        "clientConfig": {"url": f"https://127.0.0.1:{port}{path}", "caBundle": b64(ca)},
         "rules": [rule],
     }
     if rule["resources"] == ["pods"]:
@@ -119,17 +111,14 @@ def configuration(ports: dict[str, int], cert_dir: Path) -> dict[str, Any]:
     }
 
 
-def prepare(cluster: LocalCluster, folder: Path, ports: dict[str, int]) -> list[str]:
+def prepare(cluster: Cluster, folder: Path, ports: dict[str, int]) -> list[str]:
     """Certificates, the CRD and the webhook registrations; returns the manager's args."""
     work = cluster.workdir / "jobset"
-    certs = kueue.write_certs(work / "pki", ca_name="jobset-ca", dns="jobset.local")
-    cert_dir = work / "certs"
-    cert_dir.mkdir(exist_ok=True)
-    for key in ("tls.crt", "tls.key", "ca.crt"):
-        (cert_dir / key).write_bytes(certs[key])
+    certs = write_certs(work / "pki", ca_name="jobset-ca", dns="jobset.local")
+    cert_dir = write_cert_dir(work / "certs", certs)
     docs = [yaml.safe_load(p.read_text()) for p in sorted((folder / "crds").glob("*.yaml"))]
     docs += webhook_configurations(ports["jobset_webhook"], certs["ca.crt"])
-    kueue.apply_established(cluster, docs, "jobsets.jobset.x-k8s.io")
+    apply_established(cluster, docs, "jobsets.jobset.x-k8s.io")
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(configuration(ports, cert_dir)))
     return [f"--config={config}", f"--kubeconfig={cluster.kubeconfig}", "--zap-log-level=info"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,22 @@ class OperatorProcess:
                 return
             time.sleep(0.3)
         raise TimeoutError(f"operator not live after {timeout}s:\n{self.tail()}")
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[OperatorProcess]:
+        """Started for the ``with`` block (e.g. a fixture's lifetime), stopped with SIGTERM
+        after it."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.kill(signal.SIGTERM)
+
+    def ensure_running(self) -> OperatorProcess:
+        """Started again when it is not running (an earlier test may have killed it)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        return self
 
     def healthy(self) -> bool:
         return self._get(f"http://127.0.0.1:{self.liveness_port}/healthz") is not None

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from e2e.cluster import REPO, LocalCluster
+from e2e.helpers import dry_run_apply
 from rljob_operator.api import SpecError, parse_rljob, resolve_sharding
 
 pytestmark = pytest.mark.cluster
@@ -29,17 +30,7 @@ def example(name: str = "dapo-disaggregated") -> dict[str, Any]:
 
 
 def apply(cluster: LocalCluster, obj: dict[str, Any]) -> tuple[int, str]:
-    out = cluster.kubectl(
-        "apply",
-        "--dry-run=server",
-        "-n",
-        "default",
-        "-f",
-        "-",
-        input=yaml.safe_dump(obj),
-        check=False,
-    )
-    return out.returncode, out.stderr + out.stdout
+    return dry_run_apply(cluster, obj)
 
 
 def server_defaulted(cluster: LocalCluster, obj: dict[str, Any]) -> dict[str, Any]:

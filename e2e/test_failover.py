@@ -26,9 +26,8 @@ import pytest
 import yaml
 
 from e2e.cluster import REPO, LocalCluster
-from e2e.helpers import get_json, wait_for
+from e2e.helpers import get_json, report_now, wait_for
 from e2e.operator_proc import OperatorProcess
-from rljob_workers.config import Progress
 
 pytestmark = pytest.mark.cluster
 
@@ -63,13 +62,6 @@ def status(cluster: LocalCluster, ns: str, job: str) -> dict[str, Any]:
 def running(cluster: LocalCluster, ns: str, job: str, count: int) -> bool:
     ready = [p for p in pods(cluster, ns, job) if p.get("status", {}).get("phase") == "Running"]
     return len(ready) == count and status(cluster, ns, job).get("phase") == "Running"
-
-
-def report(cluster: LocalCluster, ns: str, job: str, progress: Progress) -> None:
-    patch = {"data": {progress.key: progress.model_dump_json()}}
-    cluster.kubectl(
-        "patch", "configmap", f"{job}-progress", "-n", ns, "--type=merge", "-p", json.dumps(patch)
-    )
 
 
 def fail(cluster: LocalCluster, ns: str, pod: str) -> None:
@@ -122,11 +114,8 @@ def test_failed_trainer_restarts_group_from_checkpoint(
 ) -> None:
     submit(cluster, namespace, "tr", failurePolicy={"backoffSeconds": 1, "maxBackoffSeconds": 2})
     wait_for(lambda: running(cluster, namespace, "tr", 4), 90, "job Running")
-    report(
-        cluster,
-        namespace,
-        "tr",
-        Progress(role="trainer", time=time.time(), step=7, last_checkpoint="/checkpoints/step-5"),
+    report_now(
+        cluster, namespace, "tr", role="trainer", step=7, last_checkpoint="/checkpoints/step-5"
     )
     wait_for(
         lambda: (
@@ -231,21 +220,14 @@ def test_elastic_policy_follows_reported_metrics(
     submit(cluster, namespace, "el")  # 2 rollouts, min 1, max 4; operator cooldown 3 s
     wait_for(lambda: running(cluster, namespace, "el", 4), 90, "job Running")
     # a rollout has joined and reported (no scale-up before: start-up grace)
-    report(cluster, namespace, "el", Progress(role="rollout", time=time.time(), step=0))
-    report(
-        cluster, namespace, "el", Progress(role="trainer", time=time.time(), step=1, starving=True)
-    )
+    report_now(cluster, namespace, "el", role="rollout", step=0)
+    report_now(cluster, namespace, "el", role="trainer", step=1, starving=True)
     wait_for(lambda: len(pods(cluster, namespace, "el", "rollout")) == 3, 60, "scaled up to 3")
     restart_operator(live_operator)
     wait_for(lambda: len(pods(cluster, namespace, "el", "rollout")) == 4, 60, "scaled up to max 4")
     time.sleep(5)
     assert len(pods(cluster, namespace, "el", "rollout")) == 4  # never above maxReplicas
-    report(
-        cluster,
-        namespace,
-        "el",
-        Progress(role="trainer", time=time.time(), step=2, dropped={"stale_version": 3}),
-    )
+    report_now(cluster, namespace, "el", role="trainer", step=2, dropped={"stale_version": 3})
     wait_for(
         lambda: len(pods(cluster, namespace, "el", "rollout")) == 3,
         60,
@@ -266,12 +248,7 @@ def test_policy_lag_degrades_and_recovers(
         degrade={"maxPolicyLagMs": 50, "afterSeconds": 2, "action": "throttleRollouts"},
     )
     wait_for(lambda: running(cluster, namespace, "lag", 2), 90, "job Running")
-    report(
-        cluster,
-        namespace,
-        "lag",
-        Progress(role="actor", time=time.time(), step=3, policy_lag_ms=180.0),
-    )
+    report_now(cluster, namespace, "lag", role="actor", step=3, policy_lag_ms=180.0)
     wait_for(
         lambda: status(cluster, namespace, "lag").get("phase") == "Degraded", 60, "phase Degraded"
     )
@@ -280,12 +257,7 @@ def test_policy_lag_degrades_and_recovers(
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True"
     assert config_json(cluster, namespace, "lag", "control.json")["rollout_throttle"] < 1.0
-    report(
-        cluster,
-        namespace,
-        "lag",
-        Progress(role="actor", time=time.time(), step=4, policy_lag_ms=4.0),
-    )
+    report_now(cluster, namespace, "lag", role="actor", step=4, policy_lag_ms=4.0)
     wait_for(
         lambda: status(cluster, namespace, "lag").get("phase") == "Running", 60, "back to Running"
     )
@@ -302,11 +274,8 @@ def test_suspend_resume_and_ttl(
 ) -> None:
     submit(cluster, namespace, "life", example="grpo-colocated", ttlSecondsAfterFinished=3)
     wait_for(lambda: running(cluster, namespace, "life", 2), 90, "job Running")
-    report(
-        cluster,
-        namespace,
-        "life",
-        Progress(role="actor", time=time.time(), step=10, last_checkpoint="/checkpoints/step-10"),
+    report_now(
+        cluster, namespace, "life", role="actor", step=10, last_checkpoint="/checkpoints/step-10"
     )
     wait_for(lambda: status(cluster, namespace, "life").get("step") == 10, 30, "progress in status")
     cluster.kubectl(
@@ -334,7 +303,7 @@ def test_suspend_resume_and_ttl(
     wait_for(lambda: running(cluster, namespace, "life", 2), 90, "pods back after resume")
     assert config_json(cluster, namespace, "life")["checkpoint"]["resume"] is True
     assert status(cluster, namespace, "life")["lastCheckpoint"]["path"] == "/checkpoints/step-10"
-    report(cluster, namespace, "life", Progress(role="actor", time=time.time(), step=50, done=True))
+    report_now(cluster, namespace, "life", role="actor", step=50, done=True)
     wait_for(
         lambda: status(cluster, namespace, "life").get("phase") == "Succeeded", 60, "Succeeded"
     )

@@ -258,6 +258,9 @@ def test_operator_with_chart_token_reconciles_example_to_running(
         items = get_json(cluster, kind, "-n", namespace, "-l", "rljob.io/job=grpo-colocated")
         assert items["items"], f"no {kind} created"
     assert_no_permission_errors(proc)
+    # a healthy start says nothing alarming (the RoleBinding used to race its Role, issue 31)
+    warnings = get_json(cluster, "events", "-n", namespace, "--field-selector=type=Warning")
+    assert not warnings["items"], [(e["reason"], e["message"]) for e in warnings["items"]]
 
 
 @pytest.mark.parametrize(

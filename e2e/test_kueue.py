@@ -32,10 +32,9 @@ import pytest
 import yaml
 
 from e2e.cluster import REPO, LocalCluster
-from e2e.helpers import get_json, wait_for
+from e2e.helpers import get_json, report_now, wait_for
 from e2e.operator_proc import OperatorProcess, install_crd
 from e2e.test_helm import Release, deployment, install, sa_token, write_token_kubeconfig
-from rljob_workers.config import Progress
 
 pytestmark = pytest.mark.cluster
 
@@ -95,20 +94,15 @@ def koperator(
             "POD_NAME": "rlj-local",
         },
     )
-    proc.start()
-    try:
+    with proc.running():
         yield proc
-    finally:
-        proc.kill(signal.SIGTERM)
 
 
 @pytest.fixture
 def op(koperator: OperatorProcess) -> Iterator[OperatorProcess]:
     """The chart-token operator (restarted if a test killed it); afterwards its log must hold no
     RBAC refusal."""
-    if koperator.proc is None or koperator.proc.poll() is not None:
-        koperator.start()
-    yield koperator
+    yield koperator.ensure_running()
     refused = [
         line
         for line in koperator.tail(200_000).splitlines()
@@ -222,13 +216,6 @@ def reasons(cluster: LocalCluster, ns: str, job: str) -> list[str]:
     return [e["reason"] for e in items["items"]]
 
 
-def report(cluster: LocalCluster, ns: str, job: str, progress: Progress) -> None:
-    patch = {"data": {progress.key: progress.model_dump_json()}}
-    cluster.kubectl(
-        "patch", "configmap", f"{job}-progress", "-n", ns, "--type=merge", "-p", json.dumps(patch)
-    )
-
-
 def test_quota_admits_one_job_then_the_next_after_delete(
     kcluster: LocalCluster, op: OperatorProcess, ns: str
 ) -> None:
@@ -292,12 +279,7 @@ def test_preemption_suspends_low_priority_keeps_checkpoint_and_resumes(
     )
     submit(kcluster, ns, "low", priority="rl-low")
     wait_for(lambda: running(kcluster, ns, "low"), 90, "low-priority job Running")
-    report(
-        kcluster,
-        ns,
-        "low",
-        Progress(role="trainer", time=time.time(), step=7, last_checkpoint="/checkpoints/step-7"),
-    )
+    report_now(kcluster, ns, "low", role="trainer", step=7, last_checkpoint="/checkpoints/step-7")
     wait_for(lambda: status(kcluster, ns, "low").get("step") == 7, 30, "progress in status")
     submit(kcluster, ns, "high", priority="rl-high")
     wait_for(lambda: running(kcluster, ns, "high"), 90, "high-priority job Running")

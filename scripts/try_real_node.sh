@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Try the operator on a real node, end to end (README "A real node"): a local control plane with
+# Try the operator on a real node, end to end (docs/operations/real-node.md): a local control plane with
 # one real node (containerd + kubelet in a network namespace), the chart installed with the
 # operator image built here, examples/grpo-colocated.yaml run with `rljob run` and followed to
 # Succeeded, then everything torn down. Needs root and scripts/setup.sh (it builds and imports

@@ -17,13 +17,22 @@ from kubernetes.client.exceptions import ApiException
 from rljob_operator.api import GROUP, VERSION
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import WORKLOAD_API
-from rljob_operator.reconcile import GANG_UNAVAILABLE, TOKEN_PLACEHOLDER, EventSpec, Plan
+from rljob_operator.reconcile import (
+    GANG_UNAVAILABLE,
+    TOKEN_PLACEHOLDER,
+    EventSpec,
+    Plan,
+    Refusal,
+    child_digest,
+)
 
 log = logging.getLogger(__name__)
 
 
 REFUSED = (400, 403, 404, 409, 422)
-"""Statuses that mean the API server refused a child as written (retrying at once cannot help)."""
+"""Statuses that mean the API server refused a child as written (retrying at once cannot help).
+Any other API error on a child is reported too (a 500 can be a schema or patch-construction
+failure that no retry cures), with its status code; every refused child is retried with backoff."""
 POD_WRITERS = 16
 """Child writes in flight at once, shared by every job (a 64-pod job was 64 round trips in a
 row; the Job controller creates its pods in parallel too). Below the client's connection pool
@@ -34,17 +43,18 @@ _writers_lock = threading.Lock()
 
 def apply_plan(
     kube: Kube, job: dict[str, Any], plan: Plan, tokens: set[str] | None = None
-) -> tuple[str, ...]:
+) -> tuple[Refusal, ...]:
     """Server-side apply the desired children, delete the unwanted, write status, post Events.
 
-    Returns the API server's refusals of children (``<Kind> <name>: <server message>``); the
-    next pass reports them in a condition and an Event and retries with backoff."""
+    Returns the API server's refusals of children; an API error on one child never stops the
+    others, the status or the Events. The next pass reports them in a condition and an Event and
+    writes them again only after a backoff."""
     meta = job["metadata"]
     for ref in plan.delete:  # deletes first: a crash after them never double-counts a restart
         kube.delete(
             ref.api_version, ref.kind, meta["namespace"], ref.name, grace_seconds=ref.grace_seconds
         )
-    refused: list[str] = []
+    refused: list[Refusal] = []
     for batch in _batches(plan.apply):
         if len(batch) == 1:
             outcomes = [_apply_child(kube, job, batch[0], tokens)]
@@ -90,19 +100,26 @@ def apply_plan(
     return tuple(refused)
 
 
+AFTER_THEIR_TARGETS = ("RoleBinding",)
+"""Kinds that need other objects of their run to exist first: a RoleBinding's Role (the API
+server checks the binding against the Role's rules and refuses it while the Role is missing)."""
+
+
 def _batches(objs: Sequence[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
     """The plan's objects in order, grouped into runs of Pods and runs of other kinds: a batch
     is written only after the one before it, so whatever precedes a pod (its ServiceAccount,
     which admission requires, the ConfigMap, the Services) exists before it, and whatever
-    follows the pods (a Kueue Workload) is written after them."""
-    batch: list[dict[str, Any]] = []
+    follows the pods (a Kueue Workload) is written after them. Within a run of other kinds the
+    RoleBindings go last, after the Role they bind."""
+    runs: list[list[dict[str, Any]]] = []
     for obj in objs:
-        if batch and (batch[-1]["kind"] == "Pod") != (obj["kind"] == "Pod"):
-            yield batch
-            batch = []
-        batch.append(obj)
-    if batch:
-        yield batch
+        if not runs or (runs[-1][-1]["kind"] == "Pod") != (obj["kind"] == "Pod"):
+            runs.append([])
+        runs[-1].append(obj)
+    for run in runs:
+        first = [o for o in run if o["kind"] not in AFTER_THEIR_TARGETS]
+        then = [o for o in run if o["kind"] in AFTER_THEIR_TARGETS]
+        yield from (batch for batch in (first, then) if batch)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -115,8 +132,8 @@ def _pool() -> ThreadPoolExecutor:
 
 def _apply_child(
     kube: Kube, job: dict[str, Any], obj: dict[str, Any], tokens: set[str] | None
-) -> str | None:
-    """Write one child; the API server's refusal (``<Kind> <name>: <message>``) or None."""
+) -> Refusal | None:
+    """Write one child; the API server's refusal or None."""
     try:
         if obj["kind"] == "Secret":
             _create_token(kube, obj)
@@ -129,10 +146,11 @@ def _apply_child(
             apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
         elif namespace_terminating(exc):
             raise  # the job goes with its namespace: nothing to report
-        elif exc.status in REFUSED:
-            return f"{obj['kind']} {obj['metadata']['name']}: {server_message(exc)}"
         else:
-            raise
+            message = server_message(exc)
+            if exc.status not in REFUSED:
+                message += f" (API error {exc.status})"
+            return Refusal(obj["kind"], obj["metadata"]["name"], message, child_digest(obj))
     return None
 
 

@@ -571,6 +571,10 @@ def build_pod(
     _gang_metadata(spec, job, meta)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        # The pod's pause process is PID 1, not the worker: the kernel ignores a signal with no
+        # handler sent to PID 1, so a worker still starting (before its loop handles SIGTERM)
+        # would sit out the whole grace period of a deleted pod. As PID 2 it dies at once.
+        "shareProcessNamespace": True,
         "hostname": pod_name(job, role, index),
         "subdomain": service_name(job, role),
         "enableServiceLinks": False,

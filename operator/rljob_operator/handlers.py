@@ -34,7 +34,7 @@ from rljob_operator.builders import LABEL_JOB
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import KUEUE_GROUP
 from rljob_operator.observe import observe_job
-from rljob_operator.reconcile import FINISHED, Policy, reconcile
+from rljob_operator.reconcile import FINISHED, Policy, reconcile, retry_delay
 from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX
 
 RESYNC_SECONDS = 300.0
@@ -47,7 +47,21 @@ PROGRESS_COALESCE_SECONDS = 3.0
 log = logging.getLogger(__name__)
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _workers: dict[tuple[str, str], asyncio.Task[None]] = {}
-_refusals: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
+REPORT_REFUSALS_SECONDS = 0.5
+"""After a pass whose children were refused, the next one (which reports them) runs this soon."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A job's children the API server refused, kept between passes (the backoff's state)."""
+
+    failures: int = 0  # passes in a row with refusals
+    errors: tuple[str, ...] = ()  # "<Kind> <name>: <message>"
+    held: frozenset[tuple[str, str, str]] = frozenset()  # (kind, name, digest) as refused
+    retry_at: float | None = None  # wall-clock time they may be written again
+
+
+_refusals: dict[tuple[str, str], Refused] = {}
 _tokens: set[str] = set()  # uids of jobs whose token Secret exists
 _nudges: dict[tuple[str, str], asyncio.TimerHandle] = {}
 _kube: Kube | None = None
@@ -99,16 +113,30 @@ def reconcile_once(namespace: str, name: str) -> Pass:
     observed = observe_job(kube, namespace, name, _tokens)
     if observed is None:
         return Pass(None, gone=True)
-    failures, errors = _refusals.get((namespace, name), (0, ()))
-    observed = dataclasses.replace(observed, apply_errors=errors, apply_failures=failures)
+    known = _refusals.get((namespace, name), Refused())
+    observed = dataclasses.replace(
+        observed,
+        apply_errors=known.errors,
+        apply_failures=known.failures,
+        apply_held=known.held,
+        apply_retry_at=known.retry_at,
+    )
     plan = reconcile(observed, now=time.time(), policy=POLICY)
     refused = apply_plan(kube, observed.job, plan, _tokens)
     if refused:
-        _refusals[(namespace, name)] = (failures + 1, refused)
-        log.warning("%s/%s: children refused: %s", namespace, name, "; ".join(refused))
-    else:
+        failures = known.failures + 1
+        _refusals[(namespace, name)] = Refused(
+            failures,
+            tuple(str(r) for r in refused),
+            frozenset((r.kind, r.name, r.digest) for r in refused),
+            time.time() + retry_delay(failures),
+        )
+        log.warning("%s/%s: children refused: %s", namespace, name, "; ".join(map(str, refused)))
+    elif not plan.held:  # written (or no longer wanted): the refusals are over
         _refusals.pop((namespace, name), None)
     metrics.observe_reconcile(time.monotonic() - started, plan)
+    if refused and not known.errors:  # the next pass reports them at once (and holds them)
+        return Pass(REPORT_REFUSALS_SECONDS)
     if plan.requeue_after is not None:
         return Pass(plan.requeue_after)
     phase = (plan.status or observed.job.get("status") or {}).get("phase")

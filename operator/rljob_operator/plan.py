@@ -3,7 +3,8 @@
 Pure (no client, no clock, no file reads): the CLI reads the manifest, the model's
 ``config.json``, the nodes and the committed matrix results, and hands them in as values.
 
-- ``decision_path``: the README's ``topology: auto`` rule, one step per rule, each naming the
+- ``decision_path``: the ``topology: auto`` rule (docs/concepts/algorithms.md), one step per
+  rule, each naming the
   fields it looked at and whether it decided.
 - ``estimate_rank_memory``: memory per rank, i.e. per GPU (never a pod's GPUs summed), modelled
   on what the trainer does: fp32 master parameters, fp32 gradients and two fp32 AdamW moments
@@ -131,7 +132,7 @@ def decision_path(spec: RLJobSpec) -> tuple[ResolvedTopology, str, list[Decision
 
 
 def fit_verdict(spec: RLJobSpec, topology: ResolvedTopology) -> tuple[bool, str]:
-    """Whether the algorithm fits the topology (the README's fit table) and why."""
+    """Whether the algorithm fits the topology (docs/concepts/algorithms.md's fit table) and why."""
     name = spec.algorithm.name
     if topology == "colocated":
         return True, f"{name} on colocated: on-policy data (policy lag ~0), fits every algorithm"

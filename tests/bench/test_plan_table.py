@@ -1,6 +1,7 @@
 """``bench.plan_table``: aspects under test
 
-- the README's table of ``rljob plan`` verdicts for Qwen2.5 shapes is the script's output (it
+- the table of ``rljob plan`` verdicts in docs/concepts/plan.md for Qwen2.5 shapes is the
+  script's output (it
   goes stale when the estimate changes);
 - the script's Qwen2.5 shapes give the parameter counts of the published models;
 - the verdicts a user would rely on: a 7B fits 8 × 80 GB with fsdp and never with ddp, a 72B
@@ -16,7 +17,7 @@ import pytest
 from bench.plan_table import QWEN25, plan_for, render_table, trainer_cell
 from rljob_operator.plan import ModelShape
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PLAN_PAGE = Path(__file__).resolve().parents[2] / "docs" / "concepts" / "plan.md"
 BEGIN, END = "<!-- bench.plan_table -->", "<!-- /bench.plan_table -->"
 
 # the Qwen2.5 model cards' "Number of Parameters" (total, non-embedding), billions
@@ -30,7 +31,7 @@ PUBLISHED = {
 
 
 def test_readme_table_is_the_scripts_output() -> None:
-    text = README.read_text()
+    text = PLAN_PAGE.read_text()
     table = text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
     assert table.strip() == render_table().strip(), "run python -m bench.plan_table"
 

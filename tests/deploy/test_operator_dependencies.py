@@ -58,7 +58,7 @@ def test_operator_imports_come_from_the_operator_extra() -> None:
     allowed = _closure(project["dependencies"] + project["optional-dependencies"]["operator"])
     dists = metadata.packages_distributions()
     missing: dict[str, set[str]] = {}
-    for path in sorted((REPO / "operator" / "rljob_operator").glob("*.py")):
+    for path in sorted((REPO / "operator" / "rljob_operator").rglob("*.py")):
         rel = path.relative_to(REPO / "operator").as_posix()
         if rel in WORKER_ONLY:
             continue

@@ -96,6 +96,8 @@ def test_build_pod_requests_gpus_and_is_locked_down() -> None:
     }
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["restartPolicy"] == "Never"
+    # the pause process is PID 1, so a starting worker dies at once on SIGTERM (issue 31)
+    assert pod["spec"]["shareProcessNamespace"] is True
     owner = pod["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("RLJob", REF.uid, True)
     assert pod["metadata"]["labels"]["rljob.io/job"] == "demo"

@@ -17,6 +17,7 @@ Aspects under test:
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,19 @@ def test_every_property_has_type_and_description() -> None:
             assert node.get("description"), f"{path} has no description"
 
 
+CORE_TYPES = ("volumes", "volumeMounts", "env", "envFrom", "affinity")
+"""podTemplateOverrides fields that embed core/v1 schemas as Kubernetes publishes them (unbounded,
+as in a pod); no CEL rule may read them, which the test below checks."""
+
+
+def _in_core_type(path: str) -> bool:
+    return any(f".podTemplateOverrides.{name}" in path for name in CORE_TYPES)
+
+
 def test_spec_strings_lists_and_maps_are_bounded_for_cel_cost() -> None:
     for path, node in _nodes(SPEC, ".spec"):
+        if _in_core_type(path) and not path.endswith(CORE_TYPES):
+            continue
         kind = node.get("type")
         if kind == "string":
             assert "maxLength" in node or "enum" in node, f"{path}: string without maxLength"
@@ -123,6 +135,17 @@ def test_spec_strings_lists_and_maps_are_bounded_for_cel_cost() -> None:
             assert "maxItems" in node, f"{path}: list without maxItems"
         if kind == "object" and "additionalProperties" in node:
             assert "maxProperties" in node, f"{path}: map without maxProperties"
+
+
+def test_embedded_core_types_carry_no_cel_rule_and_no_rule_reads_them() -> None:
+    texts = [json.dumps(node.get("x-kubernetes-validations", [])) for _, node in _nodes(ROOT)]
+    texts.append(json.dumps(ROOT.get("x-kubernetes-validations", [])))
+    for path, node in _nodes(SPEC, ".spec"):
+        if _in_core_type(path):
+            assert "x-kubernetes-validations" not in node, path
+    for name in CORE_TYPES:
+        for text in texts:
+            assert f"podTemplateOverrides.{name}" not in text, name
 
 
 def test_status_is_a_real_schema_without_defaults() -> None:
@@ -285,8 +308,9 @@ def test_cel_rules_all_have_message_naming_spec_path_and_reason() -> None:
 
 
 # A tiny interpreter for the CEL subset the rules use: literals, self, field selection, has(),
-# ! && || ?: == != < <= > >= in, + and list literals. Selecting an absent field is an error,
-# as in CEL, so a rule lacking a has() guard fails these tests.
+# ! && || ?: == != < <= > >= in, + and list literals, map indexing, the all() macro, startsWith,
+# string() and the Kubernetes quantity() library's isGreaterThan. Selecting an absent field is an
+# error, as in CEL, so a rule lacking a has() guard fails these tests.
 
 _TOKEN = re.compile(
     r"\s*(?:(?P<num>\d+\.\d+|\d+)|(?P<str>'[^']*')|(?P<id>[A-Za-z_]\w*)"
@@ -352,10 +376,32 @@ class _Parser:
             self.take()
             return ("!", self.unary())
         node = self.primary()
-        while self.peek() == ".":
-            self.take()
-            node = (".", node, self.take()[1])
+        while self.peek() in (".", "["):
+            if self.take()[1] == "[":
+                node = ("index", node, self.ternary())
+                self.take("]")
+                continue
+            name = self.take()[1]
+            if self.peek() != "(":
+                node = (".", node, name)
+                continue
+            self.take("(")
+            if name == "all":
+                var = self.take()[1]
+                self.take(",")
+                node = ("all", node, var, self.ternary())
+            else:
+                node = ("call", node, name, self.arguments())
+            self.take(")")
         return node
+
+    def arguments(self) -> list[Any]:
+        args = []
+        while self.peek() != ")":
+            args.append(self.ternary())
+            if self.peek() == ",":
+                self.take()
+        return args
 
     def primary(self) -> Any:
         kind, text = self.take()
@@ -386,23 +432,71 @@ class _Parser:
                     self.take()
             self.take("]")
             return ("list", items)
+        if kind == "id" and self.peek() == "(":
+            self.take("(")
+            args = self.arguments()
+            self.take(")")
+            return ("fn", text, args)
+        if kind == "id":
+            return ("var", text)
         raise CelError(f"unsupported token {text}")
+
+
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIX |= {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_SUFFIX |= {"P": 1e15, "E": 1e18}
+
+
+def _quantity(text: Any) -> float:
+    m = re.fullmatch(r"([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|([A-Za-z]*))", str(text))
+    if not m or (m.group(3) or "") not in _SUFFIX:
+        raise CelError(f"not a quantity: {text!r}")
+    number = float(m.group(1) + (m.group(2) or ""))
+    return number * _SUFFIX[m.group(3) or ""]
 
 
 def cel_eval(expression: str, obj: Any) -> Any:
     return _eval(_Parser(expression).parse(), obj)
 
 
-def _eval(node: Any, obj: Any) -> Any:
+def _eval(node: Any, obj: Any, env: dict[str, Any] | None = None) -> Any:
+    env = env or {}
     op = node[0]
     if op == "lit":
         return node[1]
     if op == "self":
         return obj
+    if op == "var":
+        if node[1] not in env:
+            raise CelError(f"unbound {node[1]}")
+        return env[node[1]]
     if op == "list":
-        return [_eval(n, obj) for n in node[1]]
+        return [_eval(n, obj, env) for n in node[1]]
+    if op == "index":
+        target, key = _eval(node[1], obj, env), _eval(node[2], obj, env)
+        if key not in target:
+            raise CelError(f"no such key: {key}")
+        return target[key]
+    if op == "all":
+        target = _eval(node[1], obj, env)
+        return all(_boolean(_eval(node[3], obj, {**env, node[2]: k})) for k in target)
+    if op == "fn":
+        args = [_eval(a, obj, env) for a in node[2]]
+        if node[1] == "string":
+            return str(args[0])
+        if node[1] == "quantity":
+            return ("quantity", _quantity(args[0]))
+        raise CelError(f"unsupported function {node[1]}")
+    if op == "call":
+        target = _eval(node[1], obj, env)
+        args = [_eval(a, obj, env) for a in node[3]]
+        if node[2] == "startsWith":
+            return str(target).startswith(args[0])
+        if node[2] == "isGreaterThan":
+            return target[1] > args[0][1]
+        raise CelError(f"unsupported method {node[2]}")
     if op in (".", "has"):
-        target = _eval(node[1], obj)
+        target = _eval(node[1], obj, env)
         if not isinstance(target, dict):
             raise CelError(f"select {node[2]} on {target!r}")
         if op == "has":
@@ -411,14 +505,14 @@ def _eval(node: Any, obj: Any) -> Any:
             raise CelError(f"no such key: {node[2]}")
         return target[node[2]]
     if op == "!":
-        return not _boolean(_eval(node[1], obj))
+        return not _boolean(_eval(node[1], obj, env))
     if op == "?":
-        return _eval(node[2] if _boolean(_eval(node[1], obj)) else node[3], obj)
+        return _eval(node[2] if _boolean(_eval(node[1], obj, env)) else node[3], obj, env)
     if op == "&&":
-        return _boolean(_eval(node[1], obj)) and _boolean(_eval(node[2], obj))
+        return _boolean(_eval(node[1], obj, env)) and _boolean(_eval(node[2], obj, env))
     if op == "||":
-        return _boolean(_eval(node[1], obj)) or _boolean(_eval(node[2], obj))
-    left, right = _eval(node[1], obj), _eval(node[2], obj)
+        return _boolean(_eval(node[1], obj, env)) or _boolean(_eval(node[2], obj, env))
+    left, right = _eval(node[1], obj, env), _eval(node[2], obj, env)
     if op == "in":
         return left in right
     if op == "+":
@@ -439,6 +533,19 @@ def _boolean(value: Any) -> bool:
     if not isinstance(value, bool):
         raise CelError(f"expected bool, got {value!r}")
     return value
+
+
+def test_cel_interpreter_evaluates_maps_macros_and_quantities() -> None:
+    rule = (
+        "self.m.all(k, !k.startsWith('mem') || "
+        "quantity(string(self.m[k])).isGreaterThan(quantity('0')))"
+    )
+    assert cel_eval(rule, {"m": {"memory": "1Gi", "cpu": "0"}})
+    assert not cel_eval(rule, {"m": {"memory": "0Gi", "cpu": "1"}})
+    assert not cel_eval(rule, {"m": {"memory": 0}})
+    assert cel_eval("quantity('1500m').isGreaterThan(quantity('1'))", {})
+    with pytest.raises(CelError):
+        cel_eval("quantity('1Qi').isGreaterThan(quantity('0'))", {})
 
 
 def test_cel_interpreter_evaluates_guards_and_reports_missing_fields() -> None:
@@ -643,6 +750,10 @@ COUNTEREXAMPLES = {
     "backoff": {"failurePolicy": {"backoffSeconds": 100, "maxBackoffSeconds": 50}},
     "sampling-n": {"rollout": {"sampling": {"samplesPerPrompt": 3}}},
     "ephemeral-claim": {"checkpoint": {"claimName": "ckpt", "ephemeral": True}},
+    "checkpoint-size-zero": {"checkpoint": {"size": "0Gi"}},
+    "shm-zero": {"worker": {"shmSize": 0}},
+    "rollout-memory-zero": {"rollout": {"resources": {"requests": {"memory": "0"}}}},
+    "trainer-hugepages-zero": {"trainer": {"resources": {"limits": {"hugepages-2Mi": "0Mi"}}}},
     "in-process": {
         "weightSync": {"method": "inProcess"},
         "topology": "disaggregated",

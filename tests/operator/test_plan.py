@@ -1,6 +1,7 @@
 """``rljob plan``: aspects under test
 
-- the decision path: each rule of the README's ``topology: auto`` rule decides in its case, and
+- the decision path: each rule of the ``topology: auto`` rule (docs/concepts/algorithms.md)
+  decides in its case, and
   the path names the fields it looked at;
 - the pods come from the builders (names, GPUs, resources) and each gets a memory estimate per
   rank, i.e. per GPU, whose parts follow what the trainer does: fp32 master parameters, gradients

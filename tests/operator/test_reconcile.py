@@ -76,6 +76,12 @@ def converge(observed: Observed) -> Observed:
     return Observed(**{**observed.__dict__, "job": job})
 
 
+def with_spec(observed: Observed, **fields: Any) -> Observed:
+    """The same cluster with these fields of the job's spec replaced (an edit a user applied)."""
+    job = {**observed.job, "spec": {**observed.job["spec"], **fields}}
+    return Observed(**{**observed.__dict__, "job": job})
+
+
 def test_reconcile_new_job_creates_every_child_pending() -> None:
     raw = job_object("dapo-disaggregated")
     plan = reconcile(Observed(job=raw), now=NOW)
@@ -139,29 +145,22 @@ def test_reconcile_existing_pods_are_never_recreated() -> None:
 
 def test_reconcile_scale_down_deletes_highest_rollout_indices() -> None:
     observed = observed_children(job_object("dapo-disaggregated"))
-    spec = dict(observed.job["spec"])
-    spec["rollout"] = {**spec["rollout"], "replicas": 1}
-    plan = reconcile(
-        Observed(**{**observed.__dict__, "job": {**observed.job, "spec": spec}}), now=NOW
-    )
+    rollout = {**observed.job["spec"]["rollout"], "replicas": 1}
+    plan = reconcile(with_spec(observed, rollout=rollout), now=NOW)
     assert [d.name for d in plan.delete] == ["dapo-disaggregated-rollout-1"]
     assert "ScaledDown" in [e.reason for e in plan.events]
 
 
 def test_reconcile_scale_up_creates_only_new_rollout() -> None:
     observed = observed_children(job_object("dapo-disaggregated"))
-    spec = dict(observed.job["spec"])
-    spec["rollout"] = {**spec["rollout"], "replicas": 3}
-    plan = reconcile(
-        Observed(**{**observed.__dict__, "job": {**observed.job, "spec": spec}}), now=NOW
-    )
+    rollout = {**observed.job["spec"]["rollout"], "replicas": 3}
+    plan = reconcile(with_spec(observed, rollout=rollout), now=NOW)
     assert [o["metadata"]["name"] for o in plan.apply] == ["dapo-disaggregated-rollout-2"]
 
 
 def test_reconcile_suspend_deletes_all_pods_and_reports_suspended() -> None:
     observed = observed_children(job_object("grpo-colocated"))
-    job = {**observed.job, "spec": {**observed.job["spec"], "suspend": True}}
-    plan = reconcile(Observed(**{**observed.__dict__, "job": job}), now=NOW)
+    plan = reconcile(with_spec(observed, suspend=True), now=NOW)
     assert sorted(d.name for d in plan.delete) == [
         "grpo-colocated-actor-0",
         "grpo-colocated-actor-1",
@@ -186,8 +185,7 @@ def test_reconcile_failed_rollout_pod_is_replaced_alone() -> None:
 
 def test_reconcile_changed_config_reapplies_only_configmap() -> None:
     observed = observed_children(job_object("grpo-colocated"))
-    job = {**observed.job, "spec": {**observed.job["spec"], "totalSteps": 77}}
-    plan = reconcile(Observed(**{**observed.__dict__, "job": job}), now=NOW)
+    plan = reconcile(with_spec(observed, totalSteps=77), now=NOW)
     assert [o["kind"] for o in plan.apply] == ["ConfigMap"]
     assert '"total_steps": 77' in plan.apply[0]["data"]["config.json"]
 

@@ -22,7 +22,8 @@ SCHEMA_VERSION = 3
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
-progress ConfigMap. A missing key means schema 1. See README "Worker and operator versions"."""
+progress ConfigMap. A missing key means schema 1. See docs/operations/upgrades.md, "Worker and
+operator versions"."""
 SCHEMA_KEY = "schema-version"
 
 

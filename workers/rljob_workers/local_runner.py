@@ -170,6 +170,18 @@ class _Child:
     metrics_path: Path
     offset: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
+    exited_at: float | None = None  # monotonic time its waiter saw it exit
+
+    def watch(self, exited: threading.Event) -> None:
+        """Wait for the process in a thread: when several processes fail together (a rank
+        raises, its peers' collectives fail a moment later), the first to exit is the cause."""
+
+        def wait() -> None:
+            self.process.wait()
+            self.exited_at = time.monotonic()
+            exited.set()
+
+        threading.Thread(target=wait, name=f"wait-{self.spec.name}", daemon=True).start()
 
     def read_new_records(self) -> list[dict[str, Any]]:
         """Complete JSONL lines appended since the last call."""
@@ -383,26 +395,26 @@ def _follow(
         (c.spec.name for c in children if c.spec.role == "trainer"), children[0].spec.name
     )
     finishers = [c for c in children if c.spec.role != "rollout"] or children
+    exited = threading.Event()
+    for child in children:
+        child.watch(exited)
     while True:
+        exited.clear()
         for child in children:
             for record in child.read_new_records():
                 if child.spec.name == display:
                     print(_progress_line(display, record, config.total_steps), file=out, flush=True)
-        codes = [child.process.poll() for child in children]
-        for child, code in zip(children, codes, strict=True):
-            if code not in (None, 0):
-                tail = _log_tail(child.log_path)
-                return f"{child.spec.name} exited with code {code}; last log lines:\n{tail}"
-        if all(child.process.poll() == 0 for child in finishers):
+        failed = [c for c in children if c.exited_at is not None and c.process.returncode != 0]
+        if failed:
+            first = min(failed, key=lambda c: c.exited_at or 0.0)
+            tail = _log_tail(first.log_path)
+            code = first.process.returncode
+            return f"{first.spec.name} exited with code {code}; last log lines:\n{tail}"
+        if all(child.exited_at is not None for child in finishers):
             return None
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             return f"timed out after {timeout_s:.0f} s"
-        running = [c for c in finishers if c.process.poll() is None]
-        if running:  # wakes as soon as it exits: the run ends when its last step ends
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                running[0].process.wait(timeout=poll_interval_s)
-        else:
-            time.sleep(poll_interval_s)
+        exited.wait(timeout=poll_interval_s)  # wakes as soon as a process exits
 
 
 def _finish(

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import random
+import signal
 import stat
 import sys
 from collections.abc import Sequence
@@ -296,6 +297,7 @@ def _load_config(env: ProcessEnv) -> WorkerConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the worker described by the environment; return the process exit code."""
     del argv
+    _leave_on_sigterm_if_init()
     logging.basicConfig(
         level=os.environ.get("RLJOB_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -319,6 +321,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return EXIT_OK
+
+
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+def _leave_on_sigterm_if_init() -> None:
+    """As PID 1 (a container without a shared process namespace) SIGTERM with no handler is
+    ignored by the kernel: install one that leaves at once, from the first instruction, until the
+    role's loop installs its own (checkpoint after the step, then leave). Elsewhere SIGTERM's
+    default action already ends the process at once, even inside a C call."""
+    if os.getpid() != 1:
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        print("SIGTERM before the loop started: leaving", file=sys.stderr, flush=True)
+        os._exit(EXIT_SIGTERM)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def exit_without_finalization(code: int) -> NoReturn:

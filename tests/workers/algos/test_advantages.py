@@ -23,10 +23,7 @@ from rljob_workers.algos import (
     compute_grpo_advantages,
     dynamic_sampling_keep_mask,
 )
-
-
-def f64(rows: object) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
+from tests.workers.algos.tensors import f64
 
 
 def test_gae_full_sequence_matches_hand_recursion() -> None:

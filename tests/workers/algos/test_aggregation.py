@@ -14,13 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rljob_workers.algos import aggregate_loss
+from tests.workers.algos.tensors import f64
 
 LOSS = [[1.0, 2.0, 3.0], [10.0, 77.0, 77.0]]
 MASK = [[1, 1, 1], [1, 0, 0]]
-
-
-def f64(rows: object) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
 
 
 @pytest.mark.parametrize(

@@ -23,11 +23,7 @@ from rljob_workers.algos import (
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
-
-
-def f64(rows: object) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
-
+from tests.workers.algos.tensors import f64
 
 RATIOS = [[1.5, 0.5, 1.1], [0.7, 1.25, 100.0]]
 ADVANTAGES = [[1.0, 1.0, -1.0], [-1.0, 2.0, 5.0]]

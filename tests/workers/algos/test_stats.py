@@ -19,13 +19,10 @@ from rljob_workers.algos import (
     masked_whiten,
     whiten_with_moments,
 )
+from tests.workers.algos.tensors import f64
 
 VALUES = [[1.0, 2.0, 3.0], [4.0, math.nan, 100.0]]
 MASK = [[1, 1, 1], [1, 0, 0]]
-
-
-def f64(rows: object) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
 
 
 def test_masked_mean_ignores_padding_overall_and_per_row() -> None:

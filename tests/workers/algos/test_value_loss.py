@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from rljob_workers.algos import clipped_value_loss
-
-
-def f64(rows: object) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
+from tests.workers.algos.tensors import f64
 
 
 def test_clipped_value_loss_matches_hand_values_and_gradient() -> None:

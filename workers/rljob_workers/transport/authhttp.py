@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -94,6 +95,15 @@ class _ThreadingServer(ThreadingHTTPServer):
         with self.connections_lock:
             self.connections.discard(request)
         super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that went away (a rollout leaving at job end or on SIGTERM) is an expected
+        event: one line, no traceback. Anything else keeps socketserver's report."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError | TimeoutError):
+            _log.info("peer %s went away: %s", client_address[0], type(error).__name__)
+            return
+        super().handle_error(request, client_address)
 
     def cut_connections(self) -> None:
         with self.connections_lock:

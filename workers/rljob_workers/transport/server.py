@@ -44,7 +44,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import TracebackType
 
-from rljob_workers.buffer import ExperienceBuffer, Trajectory, is_too_stale
+from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.staleness import must_hold
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
     BadRequest,
@@ -66,9 +67,9 @@ __all__ = ["ExperienceServer", "ServerStats", "should_hold"]
 Sink = ExperienceBuffer | Callable[[Trajectory], bool]
 
 
-def should_hold(current_version: int, rollout_version: int, max_versions: int | None) -> bool:
-    """Whether a rollout on ``rollout_version`` must hold back (``None`` bound: never)."""
-    return is_too_stale(current_version - rollout_version, max_versions)
+should_hold = must_hold
+"""Whether a rollout on ``rollout_version`` must hold back (``None`` bound: never): the staleness
+rule the rollouts apply themselves, answered by the trainer's ``/experience/status``."""
 
 
 @dataclass

@@ -1,0 +1,188 @@
+"""spec.checkpoint, spec.failurePolicy and spec.scheduling: checkpoints, restarts after
+failures, placement and batch-scheduler interop."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+
+from rljob_operator.api.cel import CelRule, SpecModel
+from rljob_operator.api.fields import (
+    _DNS_LABEL,
+    _DNS_SUBDOMAIN,
+    _LIST_MAX,
+    _NAME_MAX,
+    _PATH_MAX,
+    Quantity,
+)
+from rljob_operator.api.pods import Toleration, positive_size
+
+
+class Checkpoint(SpecModel):
+    """Trainer checkpoints; a restarted, resumed or re-admitted job continues from the newest one.
+
+    They live on a PersistentVolumeClaim, so they outlive the pods: spec.checkpoint.claimName
+    (a claim you manage), else a per-job claim ``<name>-checkpoints`` the operator creates and
+    the job owns (deleted with it), sized by size and storageClassName."""
+
+    claim_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="An existing PersistentVolumeClaim (same namespace) for checkpoints; the "
+        "operator mounts it and never deletes it. Unset: the operator creates the claim "
+        "<name>-checkpoints (size, storageClassName, accessMode), owned by the job and deleted "
+        "with it. It must be shared by every trainer pod (ReadWriteMany across nodes).",
+    )
+    size: Quantity = Field(
+        "10Gi", description="Storage requested by the per-job claim (claimName unset)."
+    )
+    storage_class_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="StorageClass of the per-job claim. Unset: the cluster's default class.",
+    )
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = Field(
+        "ReadWriteOnce",
+        description="Access mode of the per-job claim: ReadWriteOnce while all trainer pods "
+        "share a node; ReadWriteMany when they span nodes.",
+    )
+    ephemeral: bool = Field(
+        False,
+        description="Keep checkpoints in an emptyDir instead of a claim: they are deleted with "
+        "the pod, so a restarted or resumed trainer group starts again from step 0 (a Warning "
+        "Event says so). For throwaway runs only.",
+    )
+    path: str = Field(
+        "/checkpoints", max_length=_PATH_MAX, pattern=r"^/", description="Mount path in the pods."
+    )
+    every_steps: int = Field(50, ge=1, le=1_000_000, description="Checkpoint every N steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.claimName) || !has(self.ephemeral) || !self.ephemeral",
+            message="spec.checkpoint: claimName and ephemeral: true exclude each other; keep "
+            "claimName (checkpoints that outlive the pods) or remove it",
+            holds=lambda c: "claimName" not in c or not c.get("ephemeral", False),
+            field_path=".ephemeral",
+        ),
+        positive_size("size", "spec.checkpoint.size"),
+    )
+
+
+FailureReason = Literal["NodeLost", "Evicted", "DisruptionTarget", "OOMKilled", "Error"]
+FailureAction = Literal["Ignore", "RestartRole", "FailJob"]
+DISRUPTION_REASONS: tuple[FailureReason, ...] = ("NodeLost", "Evicted", "DisruptionTarget")
+"""Failures the cluster caused, not the job: replaced without counting unless a rule says else."""
+
+
+class FailureRule(SpecModel):
+    """What to do when a pod fails in a given way (in the spirit of JobSet's
+    failurePolicy.rules). A rule matches when every condition it sets matches; the first matching
+    rule wins."""
+
+    action: FailureAction = Field(
+        description="Ignore: replace the pod (a trainer or actor: its group) without counting "
+        "the restart against maxRestarts and without backoff. RestartRole: replace it and count "
+        "the restart (the default for a failure no rule matches). FailJob: fail the job at once."
+    )
+    on_reasons: list[FailureReason] = Field(
+        default_factory=list,
+        max_length=5,
+        description="Match these failure reasons: NodeLost (the pod's node is NotReady or "
+        "gone), Evicted (kubelet eviction), DisruptionTarget (preemption, taint eviction, API "
+        "eviction), OOMKilled, Error (the container exited non-zero). Empty: any reason.",
+    )
+    on_exit_codes: list[Annotated[int, Field(ge=0, le=255)]] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Match these container exit codes (e.g. 137). Empty: any exit code.",
+    )
+    roles: list[Literal["rollout", "trainer", "actor"]] = Field(
+        default_factory=list,
+        max_length=3,
+        description="Match pods of these roles (rollout, trainer, actor). Empty: every role.",
+    )
+
+
+class FailurePolicy(SpecModel):
+    """Restarts after pod failures: a budget per role, exponential backoff, and rules by failure
+    reason or exit code. By default node loss, eviction and preemption (DisruptionTarget) replace
+    pods without spending the budget; every other failure spends one restart of its role."""
+
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Counted restarts allowed per role (rollout; trainer or actor) before the "
+        "job is Failed; 0 fails at the first counted one. A rollout pod is replaced alone, so "
+        "each failed rollout pod counts once; a trainer (actor) group restart counts once.",
+    )
+    backoff_seconds: float = Field(
+        10.0, ge=0, le=86_400, description="Delay before the first restart; doubles each time."
+    )
+    max_backoff_seconds: float = Field(
+        300.0, ge=0, le=86_400, description="Upper bound of the restart delay."
+    )
+    rules: list[FailureRule] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Rules by failure reason, exit code and role → Ignore, RestartRole or "
+        "FailJob; the first match wins. Without a match: NodeLost, Evicted and "
+        "DisruptionTarget are ignored (not counted), anything else is RestartRole.",
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.backoffSeconds) || !has(self.maxBackoffSeconds) || "
+            "self.backoffSeconds <= self.maxBackoffSeconds",
+            message="spec.failurePolicy.backoffSeconds must be <= "
+            "spec.failurePolicy.maxBackoffSeconds; lower backoffSeconds or raise "
+            "maxBackoffSeconds",
+            holds=lambda f: (
+                "backoffSeconds" not in f
+                or "maxBackoffSeconds" not in f
+                or f["backoffSeconds"] <= f["maxBackoffSeconds"]
+            ),
+            field_path=".backoffSeconds",
+        ),
+    )
+
+
+class Scheduling(SpecModel):
+    """Placement and batch-scheduler interop (Kueue, Volcano, scheduler-plugins)."""
+
+    scheduler_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="Scheduler for all pods, e.g. volcano. Unset: the default scheduler.",
+    )
+    priority_class_name: str | None = Field(
+        None, max_length=_NAME_MAX, pattern=_DNS_SUBDOMAIN, description="PriorityClass of the pods."
+    )
+    gang: bool = Field(
+        False,
+        description="Schedule all pods of the job together or none (a PodGroup for Volcano / "
+        "scheduler-plugins coscheduling).",
+    )
+    queue: str | None = Field(
+        None,
+        max_length=63,
+        pattern=_DNS_LABEL,
+        description="Volcano queue of the job's PodGroup (with gang: true and schedulerName "
+        "volcano). Kueue is separate: put the label kueue.x-k8s.io/queue-name=<LocalQueue> on "
+        "the RLJob and the operator queues it as a Kueue Workload.",
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Node labels the pods require."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Tolerations added to every pod. Pods that request GPUs also tolerate the "
+        "nvidia.com/gpu taint (NoSchedule) that GPU node pools usually carry.",
+    )

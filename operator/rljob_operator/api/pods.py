@@ -1,0 +1,315 @@
+"""What the worker pods of every role share: resources, placement, pod-template overrides (and
+the fields the operator owns, which they may not touch), image and environment."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Final, Literal, Self
+
+from pydantic import Field, WithJsonSchema, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from rljob_operator.api.cel import CelRule, JsonObject, SpecModel
+from rljob_operator.api.errors import DUPLICATE_ERROR, RELATIVE_ERROR
+from rljob_operator.api.fields import (
+    _DNS_SUBDOMAIN,
+    _GPU_RESOURCE,
+    _LIST_MAX,
+    _NAME_MAX,
+    POSITIVE_QUANTITY_RULE,
+    Quantity,
+    quantity_is_positive,
+)
+from rljob_operator.api.k8s import Affinity, EnvFromSource, Volume, VolumeMount
+from rljob_operator.api.k8s import EnvVar as CoreEnvVar
+from rljob_operator.api.versions import GROUP
+
+_SIZED_CEL: Final = "k == 'memory' || k == 'ephemeral-storage' || k.startsWith('hugepages-')"
+
+
+def _sized(resource: str) -> bool:
+    """Resources that are sizes (a size of zero or less is refused)."""
+    return resource in ("memory", "ephemeral-storage") or resource.startswith("hugepages-")
+
+
+def _sizes_positive(role: str) -> CelRule:
+    """memory, ephemeral-storage and hugepages-* of spec.<role>.resources are above zero."""
+
+    def holds(r: JsonObject) -> bool:
+        res = r.get("resources", {})
+        return all(
+            quantity_is_positive(v)
+            for kind in ("requests", "limits")
+            for k, v in res.get(kind, {}).items()
+            if _sized(k)
+        )
+
+    def sized_positive(kind: str) -> str:
+        where = f"self.resources.{kind}"
+        return (
+            f"(!has({where}) || {where}.all(k, !({_SIZED_CEL}) || "
+            f"{POSITIVE_QUANTITY_RULE.replace('self', f'{where}[k]')}))"
+        )
+
+    return CelRule(
+        rule=f"!has(self.resources) || ({sized_positive('requests')} && "
+        f"{sized_positive('limits')})",
+        message=f"spec.{role}.resources: memory, ephemeral-storage and hugepages-* must be "
+        "greater than zero, e.g. '8Gi'; remove the entry or set a size",
+        holds=holds,
+        field_path=".resources",
+    )
+
+
+def positive_size(field: str, where: str) -> CelRule:
+    """``field`` of this object (a quantity, ``where`` its spec path) is above zero, if set."""
+    return CelRule(
+        rule=f"!has(self.{field}) || " + POSITIVE_QUANTITY_RULE.replace("self", f"self.{field}"),
+        message=f"{where}: must be greater than zero, e.g. '1Gi' (a size of 0 is refused); "
+        "set a size",
+        holds=lambda obj: field not in obj or quantity_is_positive(obj[field]),
+        field_path=f".{field}",
+    )
+
+
+class Resources(SpecModel):
+    """CPU/memory requests and limits per pod, as Kubernetes quantities. GPUs are set with
+    gpusPerReplica, not here."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}. cpu and memory default "
+        "to 1 and 2Gi when neither requests nor limits set them, so pods are never BestEffort.",
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Maximum resources, e.g. {memory: 48Gi}.",
+    )
+
+
+def _no_gpu_in_resources(role: str) -> CelRule:
+    def holds(r: JsonObject) -> bool:
+        res = r.get("resources", {})
+        return all(_GPU_RESOURCE not in res.get(k, {}) for k in ("requests", "limits"))
+
+    return CelRule(
+        rule="!has(self.resources) || ("
+        f"(!has(self.resources.requests) || !('{_GPU_RESOURCE}' in self.resources.requests)) && "
+        f"(!has(self.resources.limits) || !('{_GPU_RESOURCE}' in self.resources.limits)))",
+        message=f"spec.{role}.resources: do not set {_GPU_RESOURCE} here; "
+        f"set spec.{role}.gpusPerReplica instead",
+        holds=holds,
+        field_path=".resources",
+        reason="FieldValueForbidden",
+    )
+
+
+class Toleration(SpecModel):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(None, max_length=317, description="Taint key; empty with Exists: all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match. Unset: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint."
+    )
+
+
+FreeObject = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+"""A free-form object (kept for callers of the API; the pod-template overrides use the real core/v1
+schemas of ``api.k8s`` instead)."""
+
+
+OPERATOR_VOLUMES: Final = ("config", "tmp", "home", "dshm", "checkpoints", "model")
+"""Volume names of the worker pods that the operator owns."""
+OPERATOR_ENV_PREFIXES: Final = ("RLJOB_",)
+OPERATOR_ENV: Final = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HUB_OFFLINE",
+)
+"""Environment variables of the worker containers that the operator sets (plus RLJOB_*)."""
+OPERATOR_LABEL_PREFIXES: Final = (f"{GROUP}/", "app.kubernetes.io/", "scheduling.x-k8s.io/")
+OPERATOR_MOUNTS: Final = ("/etc/rljob", "/tmp", "/home/rljob", "/dev/shm")
+"""Mount paths of the worker containers the operator owns (besides the checkpoint and model
+mounts, which follow spec.checkpoint.path and spec.model.volume.mountPath)."""
+
+
+class LocalObjectReference(SpecModel):
+    """A reference by name to an object in the job's namespace (e.g. an image pull Secret)."""
+
+    name: str = Field(max_length=_NAME_MAX, pattern=_DNS_SUBDOMAIN, description="Object name.")
+
+
+class PodTemplateOverrides(SpecModel):
+    """Pod-template fields added to every pod of one role, as Kubeflow Trainer's
+    podTemplateOverrides and JobSet's pod templates allow: extra volumes and mounts (a dataset,
+    a venv), env from a Secret, placement (affinity, tolerations, nodeSelector), pull Secrets.
+    The operator merges them into the pods it builds; fields it owns (its volumes, mounts,
+    environment variables and labels) are refused with the field path."""
+
+    labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=64, description="Extra pod labels."
+    )
+    annotations: dict[str, Annotated[str, Field(max_length=32_768)]] = Field(
+        default_factory=dict, max_length=64, description="Extra pod annotations."
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list, max_length=_LIST_MAX, description="Extra pod volumes (core/v1)."
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra volumeMounts of the worker container (core/v1 VolumeMount).",
+    )
+    env: list[CoreEnvVar] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra environment variables (core/v1 EnvVar: value or valueFrom, e.g. "
+        "secretKeyRef), after spec.worker.env (on a repeated name these win).",
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra envFrom sources of the worker container (core/v1 EnvFromSource, "
+        "e.g. secretRef).",
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Node labels these pods require, added to spec.scheduling.nodeSelector.",
+    )
+    affinity: Affinity | None = None
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Tolerations added to these pods (after spec.scheduling.tolerations).",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=_LIST_MAX, description="Image pull Secrets."
+    )
+
+    @model_validator(mode="after")
+    def _operator_fields_refused(self) -> Self:
+        problems = self.problems()
+        if problems:
+            raise PydanticCustomError(
+                RELATIVE_ERROR, "{message}", {"message": "; ".join(problems), "messages": problems}
+            )
+        return self
+
+    def problems(self, mounts: tuple[str, ...] = ()) -> list[str]:
+        """What clashes with the fields the operator owns (relative paths), with the fix."""
+        out = []
+        for key in self.labels:
+            if key.startswith(OPERATOR_LABEL_PREFIXES):
+                out.append(
+                    f"labels.{key}: the operator sets labels under {key.split('/')[0]}/; "
+                    "use another label key"
+                )
+        for i, volume in enumerate(self.volumes):
+            name = volume.get("name")
+            if not isinstance(name, str) or not name:
+                out.append(f"volumes[{i}].name: required")
+            elif name in OPERATOR_VOLUMES:
+                out.append(f"volumes[{i}].name: {name} is a volume the operator owns; rename it")
+        for i, mount in enumerate(self.volume_mounts):
+            path = mount.get("mountPath")
+            if not isinstance(path, str) or not path.startswith("/"):
+                out.append(f"volumeMounts[{i}].mountPath: required, an absolute path")
+            elif any(_under(path, owned) for owned in (*OPERATOR_MOUNTS, *mounts)):
+                out.append(
+                    f"volumeMounts[{i}].mountPath: {path} is where the operator mounts "
+                    "its own volume; pick another path"
+                )
+        for i, var in enumerate(self.env):
+            name = var.get("name")
+            if not isinstance(name, str) or not name:
+                out.append(f"env[{i}].name: required")
+            elif name in OPERATOR_ENV or name.startswith(OPERATOR_ENV_PREFIXES):
+                out.append(f"env[{i}].name: {name} is set by the operator; use another name")
+        return out
+
+
+def _under(path: str, owned: str) -> bool:
+    """Whether mount path ``path`` is ``owned`` or lies inside it."""
+    a, b = path.rstrip("/") or "/", owned.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/")
+
+
+class EnvVar(SpecModel):
+    """An environment variable for the worker containers."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=_NAME_MAX,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="Variable name.",
+    )
+    value: str = Field("", max_length=32_768, description="Variable value.")
+
+
+class WorkerPods(SpecModel):
+    """Settings every worker pod shares: image, environment, account, shutdown, /dev/shm."""
+
+    image: str | None = Field(
+        None,
+        max_length=512,
+        description="Worker container image. Unset: the image the operator was installed with.",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy of the worker containers."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra environment variables for every worker container.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    termination_grace_period_seconds: int = Field(
+        30,
+        ge=0,
+        le=86_400,
+        description="Seconds a worker gets between SIGTERM and SIGKILL when its pod is deleted "
+        "(restarts, scale-down, suspend); forced deletion happens only when the node is gone.",
+    )
+    shm_size: Quantity = Field(
+        "1Gi",
+        description="Size limit of /dev/shm (memory-backed; counts against the pod's memory), "
+        "e.g. 8Gi for NCCL and data loaders on GPU nodes.",
+    )
+    service_account_name: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        pattern=_DNS_SUBDOMAIN,
+        description="ServiceAccount of the worker pods. Unset: <name>-worker, which the "
+        "operator creates. Either way the operator binds it to a Role that lets the workers "
+        "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (positive_size("shmSize", "spec.worker.shmSize"),)
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env_names(cls, env: list[EnvVar]) -> list[EnvVar]:
+        seen: set[str] = set()
+        for i, var in enumerate(env):
+            if var.name in seen:
+                raise PydanticCustomError(
+                    DUPLICATE_ERROR,
+                    "{name} is set twice; keep one entry",
+                    {"name": var.name, "index": i},
+                )
+            seen.add(var.name)
+        return env

@@ -1,0 +1,263 @@
+"""Status from the workers: their heartbeats in the progress ConfigMap (step, policy version,
+reward, lag, throughput, utilisation, checkpoints, exported model) copied into the job's
+status, the creation pass's plan summary, and the topology the status pins once resolved.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from typing import Any
+
+from rljob_operator.api import RLJob, RLJobSpec, resolve_topology
+from rljob_operator.builders import JobRef, Topology, pod_name, progress_name
+from rljob_operator.plan import build_plan_summary
+from rljob_operator.reconcile.shared import EventSpec, Observed, _Pass, _pod_phase, _seconds
+from rljob_workers.config import (
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    Progress,
+    schema_mismatch,
+    schema_version_of,
+)
+
+EPHEMERAL = (
+    "spec.checkpoint.ephemeral: checkpoints are kept in an emptyDir and deleted with their pod; "
+    "a restarted or resumed trainer group starts again from step 0. Remove ephemeral for a "
+    "per-job claim, or set spec.checkpoint.claimName"
+)
+
+
+def sticky_topology(spec: RLJobSpec, status: dict[str, Any]) -> Topology:
+    """The topology the job runs on: once resolved (``status.resolvedTopology``) it sticks, so a
+    later edit of objective or staleness never swaps the pod layout of a running job."""
+    resolved = status.get("resolvedTopology")
+    if resolved == "colocated":
+        return "colocated"
+    if resolved == "disaggregated":
+        return "disaggregated"
+    return resolve_topology(spec)[0]
+
+
+def _announce_plan(work: _Pass, job: RLJob, topology: Topology) -> None:
+    """The creation pass: status.planSummary, the Planned Event, and a Warning when checkpoints
+    are ephemeral."""
+    summary = build_plan_summary(job, topology)
+    work.status["planSummary"] = summary
+    work.events.append(EventSpec("Normal", "Planned", summary))
+    if job.spec.checkpoint.ephemeral:
+        work.events.append(EventSpec("Warning", "EphemeralCheckpoints", EPHEMERAL))
+
+
+def _read_reports(
+    work: _Pass,
+    observed: Observed,
+    ref: JobRef,
+    spec: RLJobSpec,
+    topology: Topology,
+    now: float,
+    stale_seconds: float,
+) -> tuple[list[Progress], list[Progress]]:
+    """The workers' reports (all of them, and the live ones: pods that run, within
+    ``stale_seconds`` of ``now``), copied into the status."""
+    progress, mismatch = _parse_progress(observed, ref)
+    if mismatch:
+        work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
+    present = _reports_of_present_pods(progress, observed.pods, ref)
+    live = [p for p in present if now - p.time <= stale_seconds]
+    _report_progress(work, progress, live, spec, topology)
+    if spec.checkpoint.ephemeral:
+        _forget_dead_checkpoints(work, present, topology)
+    return progress, live
+
+
+def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
+    """The workers' heartbeats from the progress ConfigMap (malformed entries are skipped)."""
+    return _parse_progress(observed, ref)[0]
+
+
+def _parse_progress(observed: Observed, ref: JobRef) -> tuple[list[Progress], str | None]:
+    """The heartbeats, and a message naming both schema versions when entries written by
+    workers of another schema version do not parse (None when all parse or versions agree)."""
+    data = dict(observed.configmaps.get(progress_name(ref), {}).get("data") or {})
+    theirs = schema_version_of(data.pop(SCHEMA_KEY, None))
+    out, bad = [], []
+    for key, text in sorted(data.items()):
+        try:
+            out.append(Progress.model_validate_json(text))
+        except ValueError:
+            bad.append(key)
+    if bad and theirs != SCHEMA_VERSION:
+        mismatch = schema_mismatch(theirs, "the workers", "operator")
+        return out, f"progress of {', '.join(bad)} not understood: {mismatch}"
+    return out, None
+
+
+def _reports_of_present_pods(
+    progress: list[Progress], pods: tuple[dict[str, Any], ...], ref: JobRef
+) -> list[Progress]:
+    """The reports written by pods that still run: the pod of that role and replica exists, is
+    not finished or terminating, and the report is not older than the pod (a report left by an
+    earlier pod of the same name is a dead pod's)."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    out = []
+    for report in progress:
+        pod = by_name.get(pod_name(ref, report.role, report.replica))
+        if pod is None or _pod_phase(pod) in ("Terminating", "Succeeded", "Failed"):
+            continue
+        created = _seconds(pod["metadata"].get("creationTimestamp"))
+        if created is None or report.time >= created - CLOCK_SKEW_SECONDS:
+            out.append(report)
+    return out
+
+
+CLOCK_SKEW_SECONDS = 5.0
+"""How far a worker's clock may run behind the API server's before its report looks older than
+its own pod."""
+
+
+def checkpoint_step(path: str, default: int = 0) -> int:
+    """The training step of a checkpoint directory (``.../step-00000050`` → 50)."""
+    match = re.search(r"step-(\d+)/?$", path)
+    return int(match.group(1)) if match else default
+
+
+def _report_progress(
+    work: _Pass,
+    progress: list[Progress],
+    live: list[Progress],
+    spec: RLJobSpec,
+    topology: Topology,
+) -> None:
+    """Copy the workers' reports into the status: step, version, reward, checkpoint and exported
+    model from rank 0 of the training role (its last report, even from a pod that is gone); lag,
+    throughput and
+    utilisation only from ``live`` reports (pods that run, within the heartbeat window), so a
+    dead pod's numbers never pin the status."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    lead = next((p for p in progress if p.role == lead_role and p.replica == 0), None)
+    if lead is not None:
+        new_step = work.status.get("step") != lead.step
+        work.status["step"] = lead.step
+        work.status["policyVersion"] = lead.policy_version
+        if lead.buffer_age_seconds is not None:
+            work.status["bufferAgeSeconds"] = round(lead.buffer_age_seconds, 3)
+        if lead.dropped:
+            work.status["droppedSamples"] = dict(lead.dropped)
+        if lead.reward_mean is not None:
+            work.status["rewardMean"] = round(lead.reward_mean, 4)
+        if lead.last_checkpoint:
+            _checkpoint_reported(work, lead.last_checkpoint, lead.step)
+        if lead.exported_model and not spec.checkpoint.ephemeral:
+            _exported_model_reported(work, lead.exported_model, spec, warn=new_step)
+    lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
+    if lags:
+        work.status["policyLagMs"] = round(max(lags), 3)
+    else:
+        work.status.pop("policyLagMs", None)
+    rates = [p.tokens_per_second for p in live if p.tokens_per_second is not None]
+    if rates:
+        work.status["tokensPerSecond"] = round(sum(rates), 1)
+    else:
+        work.status.pop("tokensPerSecond", None)
+    utilization = build_utilization_status(live)
+    if utilization:
+        work.status["utilization"] = utilization
+    else:
+        work.status.pop("utilization", None)
+
+
+def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:
+    """The lead's newest checkpoint: status.lastCheckpoint (its own step, not the current one),
+    and status.resumeFrom, when set, moves up to it (an older one may be pruned by keep)."""
+    at = checkpoint_step(path, step)
+    newest: dict[str, Any] = {"step": at, "path": path}
+    before = work.status.get("lastCheckpoint") or {}
+    if before.get("path") == path:
+        newest = {**before, **newest}
+    work.status["lastCheckpoint"] = newest
+    resume = work.status.get("resumeFrom")
+    if resume and checkpoint_step(resume, -1) < at:
+        work.status["resumeFrom"] = path
+
+
+EXPORTED_MODEL_MAX = 1024
+"""Longest ``status.exportedModel`` the operator accepts (characters)."""
+
+
+def exported_model_path(reported: str, checkpoint_root: str) -> str | None:
+    """``reported`` normalised, when it names a directory below ``checkpoint_root`` (where the
+    checkpoint volume is mounted: ``spec.checkpoint.path``) in at most ``EXPORTED_MODEL_MAX``
+    characters without control characters; else None. Pure string checks: a worker's report
+    never points the status at a path outside the job's checkpoint volume."""
+    if len(reported) > EXPORTED_MODEL_MAX or not posixpath.isabs(reported):
+        return None
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in reported):
+        return None
+    path, root = posixpath.normpath(reported), posixpath.normpath(checkpoint_root)
+    return path if path != root and path.startswith(f"{root.rstrip('/')}/") else None
+
+
+def _exported_model_reported(work: _Pass, reported: str, spec: RLJobSpec, *, warn: bool) -> None:
+    """status.exportedModel from the lead's report, when it lies under the checkpoint root;
+    else it is ignored, with a Warning Event in the pass that first reads the report's step
+    (not again every pass)."""
+    root = spec.checkpoint.path
+    path = exported_model_path(reported, root)
+    if path is not None:
+        work.status["exportedModel"] = path
+    elif warn:
+        shown = reported if len(reported) <= 200 else f"{reported[:200]}..."
+        work.events.append(
+            EventSpec(
+                "Warning",
+                "ExportedModelIgnored",
+                f"status.exportedModel: the trainer reported {shown!r}, which is not a "
+                f"directory under spec.checkpoint.path {root} of at most {EXPORTED_MODEL_MAX} "
+                "characters; it is not recorded. Export the last checkpoint yourself with "
+                f"rljob export {root} --model <base model dir> --out <dir>",
+            )
+        )
+
+
+def _forget_dead_checkpoints(work: _Pass, present: list[Progress], topology: Topology) -> None:
+    """Ephemeral checkpoints die with the lead's pod: once no running pod reported it, the
+    status names no checkpoint, so nothing resumes from one that is gone."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    if not any(p.role == lead_role and p.replica == 0 and p.last_checkpoint for p in present):
+        work.status.pop("lastCheckpoint", None)
+        work.status.pop("resumeFrom", None)
+
+
+def build_utilization_status(progress: list[Progress]) -> dict[str, dict[str, float]]:
+    """Per role, the mean over its processes of each reported utilisation number."""
+    fields = {
+        "idleFraction": "idle_fraction",
+        "acceleratorUtilization": "accelerator_util",
+        "acceleratorUtilizationStddev": "accelerator_util_std",
+    }
+    out: dict[str, dict[str, float]] = {}
+    for role in sorted({p.role for p in progress}):
+        entry = {}
+        for key, attr in fields.items():
+            values = [v for p in progress if p.role == role and (v := getattr(p, attr)) is not None]
+            if values:
+                entry[key] = round(sum(values) / len(values), 4)
+        if entry:
+            out[role] = entry
+    return out
+
+
+def _finishing(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
+    """Whether the training role is at its last step (or done): workers that complete now are
+    leaving because the job ends, not failing."""
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    return any(p.role == lead_role and (p.done or p.step >= spec.total_steps - 1) for p in progress)
+
+
+def _done(progress: list[Progress], spec: RLJobSpec, topology: Topology) -> bool:
+    lead_role = "actor" if topology == "colocated" else "trainer"
+    return any(
+        p.role == lead_role and p.replica == 0 and (p.done or p.step >= spec.total_steps)
+        for p in progress
+    )
