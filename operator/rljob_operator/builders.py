@@ -39,6 +39,7 @@ from rljob_workers.config import (
     AlgorithmConfig,
     BufferConfig,
     CheckpointConfig,
+    CollapseConfig,
     Control,
     Endpoints,
     GradientCompressionConfig,
@@ -308,6 +309,14 @@ def build_worker_config(
             dir=checkpoint_dir or spec.checkpoint.path,
             every_steps=spec.checkpoint.every_steps,
             keep=spec.checkpoint.keep,
+            keep_best=spec.checkpoint.keep_best,
+        ),
+        collapse=CollapseConfig(
+            enabled=spec.collapse.enabled,
+            window_steps=spec.collapse.window_steps,
+            smoothing_steps=spec.collapse.smoothing_steps,
+            reward_drop=spec.collapse.reward_drop,
+            entropy_drop_fraction=spec.collapse.entropy_drop_fraction,
         ),
         endpoints=endpoints
         or Endpoints(
@@ -342,6 +351,7 @@ HASH_NEUTRAL: dict[str, object] = {
     "trainer.reshard_after_forward": True,
     "trainer.cpu_offload": False,
     "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
+    **{f"collapse.{k}": v for k, v in CollapseConfig().model_dump(mode="json").items()},
 }
 """Worker-config fields added after the first release, by dotted path, with the value a job
 stored before the field existed renders now (the spec default, or what an unset field resolves
@@ -374,14 +384,16 @@ def restart_hash(config: WorkerConfig) -> str:
     if not config.algorithm.overlong.enabled:
         data["algorithm"]["overlong"] = dict(DISABLED_OVERLONG)
     for path in HASH_NEUTRAL:
-        parent = _dig_path(data, path.rpartition(".")[0])
-        leaf = path.rpartition(".")[2]
+        parent_path, _, leaf = path.rpartition(".")
+        parent = _dig_path(data, parent_path)
         if (
             isinstance(parent, dict)
             and leaf in parent
             and parent[leaf] == hash_neutral_value(path, config)
         ):
             del parent[leaf]
+            if not parent and parent_path:  # a section added since, all at its defaults
+                _pop_path(data, parent_path)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

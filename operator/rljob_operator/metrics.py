@@ -1,4 +1,5 @@
-"""Operator metrics (Prometheus): reconcile duration, jobs by phase, restarts, degrade events."""
+"""Operator metrics (Prometheus): reconcile duration, jobs by phase, restarts, degrade events,
+collapsed jobs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ RECONCILE_SECONDS = Histogram(
 JOBS_BY_PHASE = Gauge("rljob_jobs", "RLJobs by phase", ["phase"])
 RESTARTS = Counter("rljob_restarts_total", "Role restarts performed", ["role"])
 DEGRADE_EVENTS = Counter("rljob_degrade_events_total", "Times a job entered the Degraded state")
+COLLAPSED_JOBS = Gauge(
+    "rljob_jobs_collapsed",
+    "RLJobs whose smoothed task reward (or entropy) has collapsed (condition Collapsed)",
+)
+COLLAPSE_EVENTS = Counter(
+    "rljob_collapse_events_total", "Times a job's reward (or entropy) collapsed (spec.collapse)"
+)
 _phases: dict[str, str] = {}
+_collapsed: set[str] = set()
 
 
 def observe_reconcile(seconds: float, plan: Plan) -> None:
@@ -27,11 +36,21 @@ def observe_reconcile(seconds: float, plan: Plan) -> None:
         RESTARTS.labels(role=role).inc(count)
     if plan.degraded_now:
         DEGRADE_EVENTS.inc()
+    if plan.collapsed_now:
+        COLLAPSE_EVENTS.inc()
+    if plan.status is not None and plan.job_key:
+        if (plan.status.get("collapse") or {}).get("active"):
+            _collapsed.add(plan.job_key)
+        else:
+            _collapsed.discard(plan.job_key)
+        COLLAPSED_JOBS.set(len(_collapsed))
 
 
 def forget_job(job_key: str) -> None:
     """Drop a deleted job from the phase gauge."""
     _phases.pop(job_key, None)
+    _collapsed.discard(job_key)
+    COLLAPSED_JOBS.set(len(_collapsed))
     _refresh_phases()
 
 

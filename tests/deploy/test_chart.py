@@ -206,6 +206,7 @@ def test_chart_prometheus_rule_alerts_render() -> None:
     assert set(alerts) == {
         "RLJobPolicyLagHigh",
         "RLJobDegraded",
+        "RLJobPolicyCollapsed",
         "RLJobRestartStorm",
         "RLJobFailed",
         "RLJobOperatorNoLeader",
@@ -214,6 +215,12 @@ def test_chart_prometheus_rule_alerts_render() -> None:
     assert "increase(rljob_restarts_total" in alerts["RLJobRestartStorm"]["expr"]
     assert 'rljob_jobs{namespace="ops", phase="Failed"}' in alerts["RLJobFailed"]["expr"]
     assert "{{ $labels.pod }}" in alerts["RLJobPolicyLagHigh"]["annotations"]["description"]
+    collapsed = alerts["RLJobPolicyCollapsed"]
+    assert collapsed["expr"] == 'max(rljob_jobs_collapsed{namespace="ops"}) > 0'
+    assert (
+        collapsed["for"] == "0m"
+        and "status.bestCheckpoint" in collapsed["annotations"]["description"]
+    )
 
 
 def test_chart_service_monitor_and_dashboard_render() -> None:

@@ -751,6 +751,7 @@ COUNTEREXAMPLES = {
     "sampling-n": {"rollout": {"sampling": {"samplesPerPrompt": 3}}},
     "ephemeral-claim": {"checkpoint": {"claimName": "ckpt", "ephemeral": True}},
     "checkpoint-size-zero": {"checkpoint": {"size": "0Gi"}},
+    "collapse-smoothing": {"collapse": {"windowSteps": 4, "smoothingSteps": 5}},
     "shm-zero": {"worker": {"shmSize": 0}},
     "rollout-memory-zero": {"rollout": {"resources": {"requests": {"memory": "0"}}}},
     "trainer-hugepages-zero": {"trainer": {"resources": {"limits": {"hugepages-2Mi": "0Mi"}}}},

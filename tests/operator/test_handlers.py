@@ -1,7 +1,9 @@
 """The kopf glue without a cluster: aspects under test
 
-- a deleted RLJob is dropped from ``rljob_jobs{phase}`` at once (the chart's alerts stop firing),
-  and its worker task and caches are gone;
+- a deleted RLJob is dropped from ``rljob_jobs{phase}`` and ``rljob_jobs_collapsed`` at once (the
+  chart's alerts stop firing), and its worker task and caches are gone;
+- ``rljob_jobs_collapsed`` counts the jobs whose status.collapse is active, and
+  ``rljob_collapse_events_total`` the collapses that started;
 - no handler makes kopf put a finalizer on RLJobs (deletion never waits for the operator);
 - reconcile of a job being deleted does nothing;
 - heartbeats from many workers within the coalescing window cost one wake-up;
@@ -34,6 +36,25 @@ def test_deleted_job_forgotten_by_phase_gauge() -> None:
     asyncio.run(handlers.on_event_rljob(type="DELETED", name="gone", namespace="ns"))
     assert failed_gauge() == before
     assert ("ns", "gone") not in handlers._workers
+
+
+def _sample(name: str) -> float:
+    return float(REGISTRY.get_sample_value(name) or 0.0)
+
+
+def test_collapsed_jobs_gauge_and_counter() -> None:
+    jobs, events = _sample("rljob_jobs_collapsed"), _sample("rljob_collapse_events_total")
+    down = {"phase": "Running", "collapse": {"active": True}}
+    metrics.observe_reconcile(0.01, Plan(status=down, job_key="ns/a", collapsed_now=True))
+    metrics.observe_reconcile(0.01, Plan(status=down, job_key="ns/b", collapsed_now=True))
+    metrics.observe_reconcile(0.01, Plan(status=None, job_key="ns/b"))  # unchanged: still down
+    assert _sample("rljob_jobs_collapsed") == jobs + 2
+    assert _sample("rljob_collapse_events_total") == events + 2
+    up = {"phase": "Running", "collapse": {"active": False}}
+    metrics.observe_reconcile(0.01, Plan(status=up, job_key="ns/a"))
+    assert _sample("rljob_jobs_collapsed") == jobs + 1
+    asyncio.run(handlers.on_event_rljob(type="DELETED", name="b", namespace="ns"))
+    assert _sample("rljob_jobs_collapsed") == jobs
 
 
 def test_no_rljob_handler_requires_a_finalizer() -> None:

@@ -32,7 +32,14 @@ from rljob_operator.builders import (
 )
 from rljob_operator.conversion import parse_any_version
 from rljob_operator.reconcile import read_progress, reconcile
-from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, ProcessEnv, Progress, WorkerConfig
+from rljob_workers.config import (
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    CollapseReport,
+    ProcessEnv,
+    Progress,
+    WorkerConfig,
+)
 from rljob_workers.heartbeat import KubeHeartbeat
 from rljob_workers.main import ConfigError, _load_config
 from tests import previous_release
@@ -267,3 +274,16 @@ def test_heartbeat_to_current_operator_keeps_the_newer_fields() -> None:
     beat = Progress(role="actor", time=9.0, step=4, idle_fraction=0.4)
     data = _heartbeat_patch(beat)["data"]
     assert json.loads(data[beat.key])["idle_fraction"] == 0.4
+
+
+def test_heartbeat_to_a_schema_3_operator_leaves_out_the_collapse_fields() -> None:
+    collapse = CollapseReport(
+        active=True, metric="reward", step=9, peak=0.9, peak_step=5, value=0.1
+    )
+    beat = Progress(
+        role="trainer", time=9.0, step=9, collapse=collapse, best_checkpoint="/c/s", best_reward=0.9
+    )
+    old = json.loads(beat.dump_for(3))
+    assert not {"collapse", "best_checkpoint", "best_reward"} & set(old)
+    assert {"idle_fraction", "exported_model"} <= set(old)  # schema 2 and 3 fields stay
+    assert json.loads(beat.dump_for(SCHEMA_VERSION))["collapse"]["step"] == 9

@@ -12,7 +12,10 @@ A checkpoint is a directory ``<root>/step-<NNNNNNNN>/`` holding:
 Atomicity: every rank writes into one hidden temporary directory beside the final one (files
 fsynced); once all ranks are done, rank 0 writes ``state.json`` and renames the directory into
 place. A rank killed at any point leaves the previous checkpoints as the resume point, never a
-partial one. Only the newest ``keep`` checkpoints are kept. Nothing is unpickled on load.
+partial one. Only the newest ``keep`` checkpoints are kept, and besides them the best one by
+score (the smoothed task reward at its step, see ``collapse.py``): ``best.json`` beside the
+checkpoints names it, so a run that collapses late keeps its good policy. Nothing is unpickled
+on load.
 
 Checkpoints of the first release (``<module>.safetensors``, ``optim-<name>.pt``, ``rng.pt``;
 no ``format`` in ``state.json``) still resume, into either layout.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -53,7 +57,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BestCheckpoint",
     "CheckpointState",
+    "best_checkpoint",
     "capture_rng_state",
     "check_same_checkpoint",
     "checkpoint_step",
@@ -68,6 +74,7 @@ __all__ = [
 ]
 
 STATE_FILE = "state.json"
+BEST_FILE = "best.json"
 RNG_FILE = "rng.pt"
 """The first release's RNG file (pickled; read with ``weights_only=True`` only)."""
 DCP_DIR = "dcp"
@@ -85,12 +92,24 @@ class CheckpointState:
         policy_version: version of the saved policy weights.
         data_cursor: where the prompt sampler resumes (JSON-serialisable).
         extra: anything else JSON-serialisable (e.g. config version, metrics so far).
+        score: what the checkpoint is ranked by for ``best.json`` (the smoothed task reward);
+            None: not ranked.
     """
 
     step: int
     policy_version: int
     data_cursor: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    score: float | None = None
+
+
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """The best checkpoint by score so far (``best.json``)."""
+
+    path: Path
+    step: int
+    score: float
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -163,8 +182,11 @@ def save_checkpoint(
     keep: int,
     distributed: bool = False,
     rng_state: Mapping[str, Any] | None = None,
+    keep_best: bool = True,
 ) -> Path:
-    """Write a checkpoint for ``state.step`` atomically and prune to the newest ``keep``.
+    """Write a checkpoint for ``state.step`` atomically and prune to the newest ``keep`` (and,
+    with ``keep_best``, the best by ``state.score``, which this one replaces when it scores
+    higher).
 
     With ``distributed`` every rank of the default group must call it (each writes its shard
     and its RNG state); otherwise the one process writes everything. An existing checkpoint for
@@ -201,7 +223,9 @@ def save_checkpoint(
             _fsync_path(tmp)
             _replace_dir(tmp, final)
             _fsync_path(root_dir)
-            _prune(root_dir, keep)
+            if keep_best:
+                _note_if_best(root_dir, final, state)
+            _prune(root_dir, keep, best=best_checkpoint(root_dir) if keep_best else None)
     except BaseException:
         if rank == 0 and not distributed:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -246,6 +270,7 @@ def _write_state(directory: Path, state: CheckpointState, *, world_size: int) ->
         "policy_version": state.policy_version,
         "data_cursor": state.data_cursor,
         "extra": state.extra,
+        "score": state.score,
         "saved_at": time.time(),
     }
     state_path = directory / STATE_FILE
@@ -308,6 +333,33 @@ def resume_point(root: str | Path, named: str | Path | None = None) -> Path | No
     return None
 
 
+def best_checkpoint(root: str | Path) -> BestCheckpoint | None:
+    """The best checkpoint by score under ``root`` (None: none scored, or it is gone)."""
+    root_dir = Path(root)
+    try:
+        body = json.loads((root_dir / BEST_FILE).read_text())
+        path = root_dir / str(body["name"])
+        best = BestCheckpoint(path=path, step=int(body["step"]), score=float(body["score"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return best if (path / STATE_FILE).is_file() else None
+
+
+def _note_if_best(root: Path, saved: Path, state: CheckpointState) -> None:
+    """Point ``best.json`` at ``saved`` when it scores higher than the best so far (or the best
+    is gone). A step saved again (a resumed run repeating it) takes its new score."""
+    if state.score is None or not math.isfinite(state.score):
+        return
+    best = best_checkpoint(root)
+    if best is not None and best.path.name != saved.name and best.score >= state.score:
+        return
+    body = {"name": saved.name, "step": state.step, "score": state.score}
+    tmp = root / f"{_TMP_PREFIX}{BEST_FILE}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(body, sort_keys=True))
+    _fsync_path(tmp)
+    os.replace(tmp, root / BEST_FILE)
+
+
 PUBLISHED_FILE = "published-version"
 
 
@@ -357,9 +409,10 @@ def checkpoint_step(path: str | Path) -> int:
     return _step_of(Path(path))
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, *, best: BestCheckpoint | None = None) -> None:
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if best is None or old.name != best.path.name:
+            shutil.rmtree(old, ignore_errors=True)
     for leftover in root.glob(f"{_TMP_PREFIX}*"):
         if leftover.is_dir() and _is_abandoned(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -403,6 +456,7 @@ def load_checkpoint(
         policy_version=int(body["policy_version"]),
         data_cursor=dict(body.get("data_cursor", {})),
         extra=dict(body.get("extra", {})),
+        score=None if body.get("score") is None else float(body["score"]),
     )
 
 

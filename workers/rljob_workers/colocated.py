@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from rljob_workers.algos import MAX_SAMPLING_ROUNDS, dynamic_sampling_keep_mask
 from rljob_workers.checkpoint import (
-    CheckpointState,
     check_same_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -52,6 +51,7 @@ from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.ddp import global_sum, trainer_process_group
 from rljob_workers.engine import RolloutEngine, build_engine
 from rljob_workers.export import export_trained_policy
+from rljob_workers.health import RunHealth, health_fields
 from rljob_workers.learner import Experience, Learner, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
@@ -157,6 +157,7 @@ class ColocatedRuntime:
         self.policy = learner.policy
         self.task = task
         self.control = control
+        self.health = RunHealth(config, speaks=env.rank == 0)
         self.step = 0
         self.policy_version = 0
         self.sampler = PromptSampler(len(task.prompts), seed=config.seed)
@@ -181,10 +182,12 @@ class ColocatedRuntime:
         saved_at = self.step  # 0, or the checkpoint it resumed from
         while self.step < self.config.total_steps and not self._stopping():
             record = self.train_step()
+            self.health.observe(record)
             if every > 0 and (self.step % every == 0 or self.step == self.config.total_steps):
                 saved = self.save_checkpoint()
                 saved_at = self.step
                 record["checkpoint"] = None if saved is None else str(saved)
+                self.health.describe_best(record)
             if self.step == self.config.total_steps:
                 record["exported_model"] = export_trained_policy(
                     self.policy, self.config, step=self.step, writer=self.env.rank == 0
@@ -414,20 +417,23 @@ class ColocatedRuntime:
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (every actor writes its shard). Returns its path."""
         modules, optimizers = self.learner.checkpoint_parts()
-        state = CheckpointState(
+        state = self.health.checkpoint_state(
             step=self.step,
             policy_version=self.policy_version,
             data_cursor=self.sampler.state_dict(),
             extra={"job": self.config.job_name, "config_version": self.config.config_version},
         )
-        return save_checkpoint(
+        saved = save_checkpoint(
             self.config.checkpoint.dir,
             state,
             modules=modules,
             optimizers=optimizers,
             keep=self.config.checkpoint.keep,
             distributed=self.learner.in_group,
+            keep_best=self.config.checkpoint.keep_best,
         )
+        self.health.saved()
+        return saved
 
     def resume(self, path: str | Path | None = None) -> bool:
         """Load ``path`` (default: the newest checkpoint); False when there is none.
@@ -448,6 +454,7 @@ class ColocatedRuntime:
         self.step = state.step
         self.policy_version = state.policy_version
         self.sampler.load_state_dict(state.data_cursor)
+        self.health.resumed(state)
         self.policy.eval()
         self._load_engine()
         log.info("resumed from %s at step %d", chosen, self.step)
@@ -549,6 +556,7 @@ class _StepReporter(RoleReporter):
                 idle_fraction=finite_or_none(record.get("idle_fraction")),
                 accelerator_util=finite_or_none(record.get("accelerator_util")),
                 accelerator_util_std=finite_or_none(record.get("accelerator_util_std")),
+                **health_fields(record),
                 done=done,
             )
         )

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
@@ -172,6 +172,19 @@ class CheckpointConfig(_Model):
     resume_from: str | None = Field(
         None, description="a checkpoint to resume from (set by the operator after a restart)"
     )
+    keep_best: bool = Field(
+        True, description="also keep the best checkpoint by smoothed reward (best.json)"
+    )
+
+
+class CollapseConfig(_Model):
+    """When a fall of the reward (or entropy) is a collapse; see ``collapse.py``."""
+
+    enabled: bool = True
+    window_steps: int = 20
+    smoothing_steps: int = 5
+    reward_drop: float | None = 0.3
+    entropy_drop_fraction: float | None = None
 
 
 class Endpoints(_Model):
@@ -199,6 +212,7 @@ class WorkerConfig(_Model):
     buffer: BufferConfig = BufferConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    collapse: CollapseConfig = CollapseConfig()
     endpoints: Endpoints = Endpoints()
     total_steps: int = 100
     seed: int = 0
@@ -266,10 +280,25 @@ PROGRESS_FIELDS_SINCE: dict[str, int] = {
     "accelerator_util": 2,
     "accelerator_util_std": 2,
     "exported_model": 3,
+    "collapse": 4,
+    "best_checkpoint": 4,
+    "best_reward": 4,
 }
 """Progress fields added after schema 1, with the schema version that added them: a report to
 an operator of an older schema leaves them out (that operator's model refuses unknown fields
 and would drop the whole report)."""
+
+
+class CollapseReport(_Model):
+    """The newest collapse a learner saw: active until the reward recovers."""
+
+    active: bool
+    metric: Literal["reward", "entropy"]
+    step: int = Field(description="the step at which the smoothed signal had fallen")
+    peak: float
+    peak_step: int
+    value: float = Field(description="the smoothed signal at ``step``")
+    count: int = Field(1, description="collapses seen in this run")
 
 
 class Progress(_Model):
@@ -308,6 +337,13 @@ class Progress(_Model):
         description="the Hugging Face model directory written at the end (config, safetensors "
         "shards, tokenizer), on the checkpoint volume",
     )
+    collapse: CollapseReport | None = Field(
+        None, description="the newest collapse of the reward or entropy (None: never)"
+    )
+    best_checkpoint: str | None = Field(
+        None, description="the best checkpoint by smoothed reward, kept besides the newest"
+    )
+    best_reward: float | None = Field(None, description="the smoothed reward it was saved at")
     done: bool = Field(False, description="totalSteps reached; the job may finish")
 
     def dump_for(self, schema: int) -> str:

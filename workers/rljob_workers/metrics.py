@@ -48,6 +48,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "step": ("rljob_step", "Training steps completed"),
     "policy_version": ("rljob_policy_version", "Version of the newest policy weights"),
     "reward_mean": ("rljob_reward_mean", "Mean task reward of the last step's samples"),
+    "reward_smoothed": (
+        "rljob_reward_smoothed",
+        "Task reward averaged over the last collapse.smoothingSteps steps (checkpoint score)",
+    ),
+    "collapsed": (
+        "rljob_policy_collapsed",
+        "1 while the smoothed reward (or entropy) has collapsed (spec.collapse), else 0",
+    ),
     "kl": ("rljob_kl", "KL estimate of the last step (to the reference policy when one is set)"),
     "entropy": ("rljob_entropy", "Mean per-token policy entropy (nats)"),
     "clip_fraction": ("rljob_clip_fraction", "Fraction of tokens whose ratio was clipped"),

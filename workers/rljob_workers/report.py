@@ -7,6 +7,7 @@ Input is the per-step records each worker wrote to its JSONL metrics file
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,8 +53,10 @@ def summarize_records(
     Returns a dict with ``steps``, ``reward_baseline`` (mean of the first ``window`` steps),
     ``reward_final`` (last ``window``), ``reward_best``, ``kl_final``, ``entropy_final``,
     ``policy_lag_ms_median`` / ``_p95`` / ``_max``, ``policy_lag_versions_max``,
-    ``tokens_per_s_median``, ``step_time_s_median``, ``train_time_s`` (sum of step times) and
-    ``policy_version``; a value is None when no step reported it.
+    ``tokens_per_s_median``, ``step_time_s_median``, ``train_time_s`` (sum of step times),
+    ``policy_version``, ``collapses`` (seen by the collapse watch; None without one) and
+    ``best_checkpoint`` / ``best_checkpoint_step`` / ``best_checkpoint_reward`` (the checkpoint
+    kept as best); a value is None when no step reported it.
     """
     rewards = _values(records, "reward_mean")
     lags = _values(records, "policy_lag_ms")
@@ -77,6 +80,22 @@ def summarize_records(
         "tokens_per_s_median": statistics.median(tokens) if tokens else None,
         "step_time_s_median": statistics.median(step_times) if step_times else None,
         "train_time_s": sum(step_times) if step_times else None,
+        **_health(records),
+    }
+
+
+def _health(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The collapse count and the best checkpoint, from the last record that has them."""
+    watched = [r for r in records if "collapsed" in r]
+    last = watched[-1] if watched else {}
+    collapse = last.get("collapse") or {}
+    best = last.get("best_checkpoint")
+    step = re.search(r"step-(\d+)/?$", best) if isinstance(best, str) else None
+    return {
+        "collapses": int(collapse.get("count", 0)) if watched else None,
+        "best_checkpoint": best,
+        "best_checkpoint_step": int(step.group(1)) if step else None,
+        "best_checkpoint_reward": last.get("best_reward"),
     }
 
 
@@ -97,6 +116,9 @@ TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("policy lag p95 (ms)", "policy_lag_ms_p95", "{:.2f}"),
     ("policy lag max (ms)", "policy_lag_ms_max", "{:.2f}"),
     ("policy lag max (versions)", "policy_lag_versions_max", "{:.0f}"),
+    ("collapses (spec.collapse)", "collapses", "{:.0f}"),
+    ("best checkpoint (step)", "best_checkpoint_step", "{:.0f}"),
+    ("best checkpoint (reward)", "best_checkpoint_reward", "{:.3f}"),
     ("tokens/s median", "tokens_per_s_median", "{:.0f}"),
     ("step time median (s)", "step_time_s_median", "{:.3f}"),
     ("wall time (s)", "wall_time_s", "{:.1f}"),

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.checkpoint import (
-    CheckpointState,
     check_same_checkpoint,
     load_checkpoint,
     published_version,
@@ -58,6 +57,7 @@ from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, FileWatcher, stop_on_sigterm
 from rljob_workers.ddp import global_sum, trainer_process_group
 from rljob_workers.export import export_trained_policy
+from rljob_workers.health import RunHealth, health_fields
 from rljob_workers.learner import Experience, build_learner
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import PolicyModel, pad_token_id
@@ -215,6 +215,7 @@ class TrainerWorker:
         self.stop = threading.Event()  # set by SIGTERM: checkpoint and leave between steps
         self.last_checkpoint: str | None = None
         self.exported_model: str | None = None
+        self.health = RunHealth(config, speaks=self.leader)
         self._resume()
         self._number_past_published()
         self.accounting = StalenessAccounting(config.staleness.max_versions)
@@ -320,7 +321,11 @@ class TrainerWorker:
         if groups:
             self.version += 1
             publish = self._publish(self.learner.last_step_wall)
+        health: dict[str, Any] = {"step": self.step, "reward_mean": _mean(sampled_rewards)}
+        health["entropy"] = metrics.get("entropy")
+        self.health.observe(health)
         checkpoint = self._maybe_checkpoint()
+        self.health.describe_best(health)
         finished = time.perf_counter()
         record: dict[str, Any] = {
             "step": self.step,
@@ -347,6 +352,7 @@ class TrainerWorker:
             **self._server_stats(),
             **metrics,
             **self.reporter.utilization(),
+            **health,
         }
         if not groups:  # DAPO found no group with signal: no update, the same version
             record["skipped"] = "no_signal"
@@ -509,7 +515,7 @@ class TrainerWorker:
         modules, optimizers = self.learner.checkpoint_parts()
         path = save_checkpoint(
             self.config.checkpoint.dir,
-            CheckpointState(
+            self.health.checkpoint_state(
                 step=self.step,
                 policy_version=self.version,
                 extra={"job": self.config.job_name, "role": "trainer"},
@@ -518,7 +524,9 @@ class TrainerWorker:
             optimizers=optimizers,
             keep=self.config.checkpoint.keep,
             distributed=distributed,
+            keep_best=self.config.checkpoint.keep_best,
         )
+        self.health.saved()
         self.last_checkpoint = str(path)
         return path
 
@@ -538,6 +546,7 @@ class TrainerWorker:
             chosen, modules=modules, optimizers=optimizers, distributed=self.learner.in_group
         )
         self.step, self.version = state.step, state.policy_version
+        self.health.resumed(state)
         self.last_checkpoint = chosen
         log.info("resumed from %s at step %d (version %d)", chosen, self.step, self.version)
 
@@ -595,6 +604,7 @@ class TrainerWorker:
                 idle_fraction=finite_or_none(last.get("idle_fraction")),
                 accelerator_util=finite_or_none(last.get("accelerator_util")),
                 accelerator_util_std=finite_or_none(last.get("accelerator_util_std")),
+                **health_fields(last),
                 done=done,
             )
         )

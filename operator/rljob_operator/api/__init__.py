@@ -60,6 +60,7 @@ from rljob_operator.api.fields import (
 from rljob_operator.api.lifecycle import (
     DISRUPTION_REASONS,
     Checkpoint,
+    Collapse,
     FailureAction,
     FailurePolicy,
     FailureReason,
@@ -117,7 +118,9 @@ from rljob_operator.api.spec import (
     responses_per_prompt,
 )
 from rljob_operator.api.status import (
+    BestCheckpointStatus,
     CheckpointStatus,
+    CollapseStatus,
     Condition,
     KueueEviction,
     KueueStatus,
@@ -195,11 +198,14 @@ __all__ = [
     "AdvantageEstimator",
     "Algorithm",
     "AlgorithmName",
+    "BestCheckpointStatus",
     "Buffer",
     "BuiltinTask",
     "CelRule",
     "Checkpoint",
     "CheckpointStatus",
+    "Collapse",
+    "CollapseStatus",
     "Condition",
     "Degrade",
     "DegradeAction",

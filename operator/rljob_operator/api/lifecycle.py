@@ -60,6 +60,12 @@ class Checkpoint(SpecModel):
     )
     every_steps: int = Field(50, ge=1, le=1_000_000, description="Checkpoint every N steps.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
+    keep_best: bool = Field(
+        True,
+        description="Also keep the best checkpoint by smoothed task reward (spec.collapse."
+        "smoothingSteps), besides the newest keep; it is named in status.bestCheckpoint, so a "
+        "run whose reward collapses late keeps its good policy. false: only the newest keep.",
+    )
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
@@ -70,6 +76,51 @@ class Checkpoint(SpecModel):
             field_path=".ephemeral",
         ),
         positive_size("size", "spec.checkpoint.size"),
+    )
+
+
+class Collapse(SpecModel):
+    """The collapse signal: a reward (or entropy) that falls fast after the policy learned.
+
+    The trainer smooths the task reward over smoothingSteps steps and compares it with its best
+    over the last windowSteps steps. A fall of more than rewardDrop (or an entropy below
+    (1 - entropyDropFraction) x its best) sets the condition Collapsed, a Warning Event
+    PolicyCollapsed, status.collapse and the metric rljob_policy_collapsed; the condition clears
+    (Event PolicyRecovered) when the smoothed reward is back within rewardDrop / 2 of its peak.
+    The job keeps running; its best checkpoint is kept (spec.checkpoint.keepBest)."""
+
+    enabled: bool = Field(True, description="Watch for collapses (false: no signal).")
+    reward_drop: float = Field(
+        0.3,
+        gt=0,
+        le=1_000_000,
+        description="Absolute fall of the smoothed task reward below its recent best that "
+        "counts as a collapse, in reward units (0.3 suits verifier rewards in [0, 1]).",
+    )
+    entropy_drop_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Also a collapse: the smoothed per-token entropy falls below (1 - this) x "
+        "its recent best. Unset: entropy is not watched.",
+    )
+    window_steps: int = Field(
+        20, ge=2, le=1_000_000, description="How many recent steps the best is taken over."
+    )
+    smoothing_steps: int = Field(
+        5, ge=1, le=10_000, description="Steps the reward and entropy are averaged over."
+    )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.smoothingSteps) || !has(self.windowSteps) || "
+            "self.smoothingSteps <= self.windowSteps",
+            message="spec.collapse.smoothingSteps must be <= spec.collapse.windowSteps (the "
+            "best is taken over windowSteps smoothed values); lower smoothingSteps or raise "
+            "windowSteps",
+            holds=lambda c: c.get("smoothingSteps", 5) <= c.get("windowSteps", 20),
+            field_path=".smoothingSteps",
+        ),
     )
 
 

@@ -19,7 +19,7 @@ from rljob_operator.api.algorithm import (
 )
 from rljob_operator.api.cel import CelRule, JsonObject, SpecModel, _nested, _spec_models
 from rljob_operator.api.errors import RULE_ERROR
-from rljob_operator.api.lifecycle import Checkpoint, FailurePolicy, Scheduling
+from rljob_operator.api.lifecycle import Checkpoint, Collapse, FailurePolicy, Scheduling
 from rljob_operator.api.model_task import Model, Task
 from rljob_operator.api.pods import PodTemplateOverrides, WorkerPods, _under, positive_size
 from rljob_operator.api.rollout import Rollout
@@ -70,6 +70,9 @@ class _SpecCommon(SpecModel):
     buffer: Buffer = _nested(Buffer, "Experience buffer.")
     weight_sync: WeightSync = _nested(WeightSync, "Weight synchronisation trainer → rollouts.")
     checkpoint: Checkpoint = _nested(Checkpoint, "Checkpointing.")
+    collapse: Collapse = _nested(
+        Collapse, "The collapse signal: a task reward (or entropy) that falls fast."
+    )
     failure_policy: FailurePolicy = _nested(FailurePolicy, "Restart policy.")
     suspend: bool = Field(
         False,

@@ -30,7 +30,8 @@ class Condition(StatusModel):
 
     type: str = Field(
         max_length=316,
-        description="Created, Running, Degraded, Restarting, Suspended, Succeeded or Failed.",
+        description="Created, Running, Degraded, Restarting, Suspended, Collapsed, Succeeded or "
+        "Failed.",
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(
@@ -63,6 +64,26 @@ class CheckpointStatus(StatusModel):
     step: int = Field(ge=0, description="Training step of the checkpoint.")
     path: str = Field(max_length=_PATH_MAX, description="Checkpoint directory in the pods.")
     time: AwareDatetime | None = Field(None, description="When it was written.")
+
+
+class BestCheckpointStatus(StatusModel):
+    """The best checkpoint by smoothed task reward, kept besides the newest ones."""
+
+    step: int = Field(ge=0, description="Training step of the checkpoint.")
+    path: str = Field(max_length=_PATH_MAX, description="Checkpoint directory in the pods.")
+    reward: float = Field(description="Smoothed task reward when it was saved.")
+
+
+class CollapseStatus(StatusModel):
+    """The newest collapse of the task reward (or entropy) the trainer saw (spec.collapse)."""
+
+    active: bool = Field(description="Collapsed now; false once the reward recovered.")
+    metric: Literal["reward", "entropy"] = Field(description="The signal that fell.")
+    step: int = Field(ge=0, description="Step at which the fall was seen.")
+    peak: float = Field(description="Smoothed value it fell from.")
+    peak_step: int = Field(ge=0, description="Step of that peak.")
+    value: float = Field(description="Smoothed value at step.")
+    count: int = Field(1, ge=0, description="Collapses seen in this run of the trainer.")
 
 
 class KueueEviction(StatusModel):
@@ -163,6 +184,14 @@ class RLJobStatus(StatusModel):
     )
     restarts: Restarts = Field(default_factory=Restarts, description="Restarts per role.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest checkpoint.")
+    best_checkpoint: BestCheckpointStatus | None = Field(
+        None,
+        description="Best checkpoint by smoothed task reward (spec.checkpoint.keepBest), kept "
+        "besides the newest ones: the policy to take when the reward collapsed later.",
+    )
+    collapse: CollapseStatus | None = Field(
+        None, description="The newest collapse of the reward or entropy (spec.collapse)."
+    )
     exported_model: str | None = Field(
         None,
         max_length=_PATH_MAX,

@@ -137,6 +137,7 @@ def _plan(ctx: _Job, work: _Pass, to_apply: tuple[dict[str, Any], ...]) -> Plan:
         job_key=ctx.key,
         restarts=work.restarts,
         degraded_now=work.degraded_now,
+        collapsed_now=work.collapsed_now,
         held=held,
     )
 

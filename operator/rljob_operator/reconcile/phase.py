@@ -38,6 +38,7 @@ CONDITION_TYPES = (
     "Created",
     "Running",
     "Degraded",
+    "Collapsed",
     "Restarting",
     "Suspended",
     "Succeeded",
@@ -315,6 +316,7 @@ def _conditions(
             f"policy lag {status.get('policyLagMs')} ms; action {status.get('degradeAction')}",
             "PolicyLagOK",
         ),
+        "Collapsed": _collapsed(status.get("collapse")),
         "Restarting": flag(
             phase == "Restarting" or restarted,
             "RoleRestart",
@@ -331,6 +333,19 @@ def _conditions(
         "Failed": flag(phase == "Failed", fail_reason, message, "NotFailed"),
     }
     return [_condition(old, t, *wanted[t], generation, now) for t in CONDITION_TYPES]
+
+
+def _collapsed(collapse: dict[str, Any] | None) -> tuple[str, str, str]:
+    """The Collapsed condition from status.collapse."""
+    if not collapse:
+        return ("False", "NoCollapse", "")
+    text = (
+        f"smoothed {collapse['metric']} fell from {collapse['peak']} (step "
+        f"{collapse['peakStep']}) to {collapse['value']} at step {collapse['step']}"
+    )
+    if collapse.get("active"):
+        return ("True", f"{collapse['metric'].capitalize()}Collapsed", text)
+    return ("False", "Recovered", f"recovered after: {text}")
 
 
 def _unschedulable(pods: tuple[dict[str, Any], ...]) -> str:

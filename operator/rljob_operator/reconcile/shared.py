@@ -93,6 +93,7 @@ class Plan:
     job_key: str = ""
     restarts: dict[str, int] = field(default_factory=dict)
     degraded_now: bool = False
+    collapsed_now: bool = False
     workload_patches: tuple[WorkloadPatch, ...] = ()
     held: tuple[str, ...] = ()  # refused children not written this pass (backoff), "Kind/name"
 
@@ -187,6 +188,7 @@ class _Pass:
     hold_roles: set[str] = field(default_factory=set)
     requeue: list[float] = field(default_factory=list)
     degraded_now: bool = False
+    collapsed_now: bool = False
     scale_to: int | None = None
     fail_reason: str = "MaxRestartsExceeded"
     pending_why: str = ""  # the scheduler's message for a pod it cannot place

@@ -150,6 +150,9 @@ def _report_progress(
             _checkpoint_reported(work, lead.last_checkpoint, lead.step)
         if lead.exported_model and not spec.checkpoint.ephemeral:
             _exported_model_reported(work, lead.exported_model, spec, warn=new_step)
+        _best_checkpoint_reported(work, lead, spec)
+        if lead.collapse is not None:
+            _collapse_reported(work, lead)
     lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
     if lags:
         work.status["policyLagMs"] = round(max(lags), 3)
@@ -217,6 +220,58 @@ def _exported_model_reported(work: _Pass, reported: str, spec: RLJobSpec, *, war
                 "characters; it is not recorded. Export the last checkpoint yourself with "
                 f"rljob export {root} --model <base model dir> --out <dir>",
             )
+        )
+
+
+def _best_checkpoint_reported(work: _Pass, lead: Progress, spec: RLJobSpec) -> None:
+    """status.bestCheckpoint from the lead's report (a path under the checkpoint root only);
+    gone when the report names none (keepBest turned off, or an ephemeral volume lost it)."""
+    path = None
+    if lead.best_checkpoint and lead.best_reward is not None:
+        path = exported_model_path(lead.best_checkpoint, spec.checkpoint.path)
+    if path is None or lead.best_reward is None:
+        work.status.pop("bestCheckpoint", None)
+        return
+    work.status["bestCheckpoint"] = {
+        "step": checkpoint_step(path, lead.step),
+        "path": path,
+        "reward": round(lead.best_reward, 4),
+    }
+
+
+def _collapse_reported(work: _Pass, lead: Progress) -> None:
+    """status.collapse from the lead's report; a collapse that starts is a Warning Event
+    PolicyCollapsed (naming the best checkpoint kept), one that ends a PolicyRecovered."""
+    report = lead.collapse
+    assert report is not None
+    before = work.status.get("collapse") or {}
+    now = {
+        "active": report.active,
+        "metric": report.metric,
+        "step": report.step,
+        "peak": round(report.peak, 4),
+        "peakStep": report.peak_step,
+        "value": round(report.value, 4),
+        "count": report.count,
+    }
+    work.status["collapse"] = now
+    same = before.get("step") == report.step and before.get("metric") == report.metric
+    text = (
+        f"smoothed {report.metric} fell from {report.peak:.3f} (step {report.peak_step}) to "
+        f"{report.value:.3f} at step {report.step}"
+    )
+    if report.active and not (same and before.get("active")):
+        work.collapsed_now = True
+        best = work.status.get("bestCheckpoint")
+        kept = (
+            f"; the best checkpoint is kept: {best['path']} (reward {best['reward']})"
+            if best
+            else "; no checkpoint scored yet (spec.checkpoint.keepBest)"
+        )
+        work.events.append(EventSpec("Warning", "PolicyCollapsed", f"{text}{kept}"))
+    elif not report.active and before.get("active") and same:
+        work.events.append(
+            EventSpec("Normal", "PolicyRecovered", f"recovered from the collapse: {text}")
         )
 
 
