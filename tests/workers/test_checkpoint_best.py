@@ -4,7 +4,7 @@ Aspects under test:
 - the best-scoring checkpoint survives pruning when it is older than the newest ``keep``; the
   others are pruned as before, and ``best.json`` names it with its step and score;
 - a higher score moves ``best.json`` (and the old best is pruned once out of the newest
-  ``keep``); an equal or lower score does not;
+  ``keep``), so does an equal one (the newer policy trained longer); a lower one does not;
 - checkpoints without a score (None, NaN) never become best; ``keep_best=False`` keeps only the
   newest ``keep`` and writes no ``best.json``;
 - a best checkpoint removed by hand is forgotten (``best_checkpoint`` is None) and the next
@@ -63,10 +63,14 @@ def test_the_best_survives_pruning_beside_the_newest(tmp_path):
 
 
 def test_a_higher_score_moves_the_best_and_the_old_one_is_pruned(tmp_path):
-    for step, score in [(10, 0.5), (20, 0.5), (30, 0.4), (40, 0.7), (50, 0.6)]:
+    for step, score in [(10, 0.5), (20, 0.5), (30, 0.4)]:
         _save(tmp_path, step, score)
     best = best_checkpoint(tmp_path)
-    assert best is not None and best.step == 40  # 20 tied 10 and did not move it
+    assert best is not None and best.step == 20
+    for step, score in [(40, 0.7), (50, 0.6)]:
+        _save(tmp_path, step, score)
+    best = best_checkpoint(tmp_path)
+    assert best is not None and best.step == 40  # 20 tied 10 and took it, 40 beat 20
     assert _names(tmp_path) == ["step-00000040", "step-00000050"]
 
 
@@ -110,3 +114,58 @@ def test_the_score_comes_back_on_load(tmp_path):
     module, optimizer = _parts()
     state = load_checkpoint(path, modules={"policy": module}, optimizers={"policy": optimizer})
     assert state.score == 0.625
+
+
+def test_a_colocated_run_whose_reward_collapses_keeps_its_best_checkpoint(tmp_path):
+    """The learner end to end (real tiny model, HF engine, real checkpoints): the task reward is
+    1 until step 6 and 0 after (a collapse forced from outside the policy). The watch reports
+    the collapse at step 7, the checkpoint of step 6 stays as best while keep=2 prunes the rest,
+    and the step records carry what the heartbeat sends."""
+    from rljob_workers.colocated import build_colocated_runtime
+    from rljob_workers.config import (
+        AlgorithmConfig,
+        CheckpointConfig,
+        CollapseConfig,
+        ModelConfig,
+        ProcessEnv,
+        Progress,
+        RolloutConfig,
+        SamplingConfig,
+        TaskConfig,
+        WorkerConfig,
+    )
+    from rljob_workers.health import health_fields
+    from rljob_workers.tasks import TaskData
+    from rljob_workers.tinymodel import build_tiny_model
+
+    torch.set_num_threads(1)
+    config = WorkerConfig(
+        job_name="collapse",
+        topology="colocated",
+        algorithm=AlgorithmConfig(
+            name="grpo", advantage_estimator="grpo", batch_size=2, mini_batch_size=2, group_size=2
+        ),
+        model=ModelConfig(path=str(build_tiny_model(tmp_path / "tiny", seed=0))),
+        task=TaskConfig(builtin="copy", num_prompts=4),
+        rollout=RolloutConfig(engine="hf", sampling=SamplingConfig(n=2, max_tokens=2)),
+        checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=2, keep=2),
+        collapse=CollapseConfig(window_steps=4, smoothing_steps=1, reward_drop=0.3),
+        total_steps=12,
+    )
+    runtime = build_colocated_runtime(config, ProcessEnv(role="actor"))
+    task = runtime.task
+    runtime.task = TaskData(
+        prompts=task.prompts,
+        answers=task.answers,
+        reward=lambda response, answer: 1.0 if runtime.step < 6 else 0.0,
+    )
+    records = runtime.run()
+    collapsed = [r["step"] for r in records if r["collapsed"]]
+    assert collapsed == list(range(7, 13))
+    assert records[6]["collapse"]["peak_step"] == 6 and records[6]["collapse"]["active"]
+    best = best_checkpoint(tmp_path / "ckpt")
+    assert best is not None and (best.step, best.score) == (6, 1.0)
+    assert _names(tmp_path / "ckpt") == ["step-00000006", "step-00000010", "step-00000012"]
+    beat = Progress(role="actor", time=1.0, step=12, **health_fields(records[-1]))
+    assert beat.best_checkpoint == str(best.path) and beat.best_reward == 1.0
+    assert beat.collapse is not None and beat.collapse.active and beat.collapse.step == 7

@@ -346,12 +346,13 @@ def best_checkpoint(root: str | Path) -> BestCheckpoint | None:
 
 
 def _note_if_best(root: Path, saved: Path, state: CheckpointState) -> None:
-    """Point ``best.json`` at ``saved`` when it scores higher than the best so far (or the best
-    is gone). A step saved again (a resumed run repeating it) takes its new score."""
+    """Point ``best.json`` at ``saved`` when it scores at least as high as the best so far (a
+    tie goes to the newer, more trained policy) or the best is gone. A step saved again (a
+    resumed run repeating it) takes its new score."""
     if state.score is None or not math.isfinite(state.score):
         return
     best = best_checkpoint(root)
-    if best is not None and best.path.name != saved.name and best.score >= state.score:
+    if best is not None and best.path.name != saved.name and best.score > state.score:
         return
     body = {"name": saved.name, "step": state.step, "score": state.score}
     tmp = root / f"{_TMP_PREFIX}{BEST_FILE}-{uuid.uuid4().hex[:8]}"
