@@ -4,10 +4,13 @@ the collapse watch of the workers (spec.collapse defaults) and the best checkpoi
 
     .venv/bin/python -m bench.long_runs                      # 3 examples x 3 seeds x 10x
     .venv/bin/python -m bench.long_runs --examples grpo-colocated --seeds 0 --factor 2
+    .venv/bin/python -m bench.long_runs --examples grpo-colocated \
+        --set algorithm.learningRate=1.0e-3 --tag lr1e-3      # a variant of the example
 
 Writes ``bench/results/long_runs.{json,md,png}`` (after every run, so a cut-off study keeps what
-it measured): per run the peak and final smoothed reward, the collapses the watch saw (step, from,
-to, recovered or not), and the best checkpoint it kept; the PNG draws every run's smoothed reward.
+it measured; ``--tag`` adds a suffix to the names): per run the peak and final smoothed reward,
+the collapses the watch saw (step, from, to, recovered or not), and the best checkpoint it kept;
+the PNG draws every run's smoothed reward.
 """
 
 from __future__ import annotations
@@ -30,10 +33,24 @@ RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ("grpo-colocated", "ppo-colocated", "dapo-disaggregated")
 
 
-def run_one(example: str, seed: int, factor: int, work: Path, model: Path) -> dict[str, Any]:
-    """One fault-free run of ``example`` with ``spec.seed = seed`` for factor x totalSteps."""
+def run_one(
+    example: str,
+    seed: int,
+    factor: int,
+    work: Path,
+    model: Path,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One fault-free run of ``example`` with ``spec.seed = seed`` for factor x totalSteps, with
+    ``overrides`` (dotted spec paths) applied."""
     manifest = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
     manifest["spec"]["seed"] = seed
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = manifest["spec"]
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     steps = int(manifest["spec"].get("totalSteps", 100)) * factor
     out = work / f"{example}-s{seed}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -113,10 +130,10 @@ def summarise(
     }
 
 
-def write(results: list[dict[str, Any]], out: Path) -> None:
+def write(results: list[dict[str, Any]], out: Path, name: str = "long_runs") -> None:
     """JSON, a markdown table and the PNG of every run's smoothed reward."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "long_runs.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
     lines = [
         "| example | seed | steps | peak smoothed reward (step) | final | collapses (step: from → "
         "to) | recovered | best checkpoint kept (score) | wall s |",
@@ -146,9 +163,9 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
         median = round(statistics.median(finals), 3) if finals else None
         fell = sum(1 for r in runs if r["collapses"])
         lines.append(f"| {example} | {len(runs)} | {median} | {fell} |")
-    (out / "long_runs.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     with figure(
-        out / "long_runs.png",
+        out / f"{name}.png",
         1,
         len(by_example),
         dpi=110,
@@ -166,7 +183,9 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
             ax.set_xlabel("step")
             ax.set_ylabel("smoothed task reward")
             ax.set_ylim(-0.02, 1.02)
-            ax.legend(fontsize=7)
+            if any(r["curve"] for r in runs):
+                ax.legend(fontsize=7)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,15 +196,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(ROOT / "runs" / "tiny-qwen2"))
     parser.add_argument("--work", default=str(ROOT / "runs" / "long-runs"))
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field of every example (dotted path, YAML value)",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the result files and run folders")
     args = parser.parse_args(argv)
+    overrides = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.set)}
+    name = f"long_runs-{args.tag}" if args.tag else "long_runs"
+    work = Path(args.work) / args.tag if args.tag else Path(args.work)
     results: list[dict[str, Any]] = []
     total = len(args.examples) * len(args.seeds)
     for example in args.examples:
         for seed in args.seeds:
             print(f"[long-runs] {len(results) + 1}/{total}: {example} seed {seed} ...", flush=True)
-            r = run_one(example, seed, args.factor, Path(args.work), Path(args.model))
+            r = run_one(example, seed, args.factor, work, Path(args.model), overrides)
+            r["overrides"] = overrides
             results.append(r)
-            write(results, Path(args.out))
+            write(results, Path(args.out), name)
             print(
                 f"[long-runs]   rc {r['rc']}, {r['steps_done']}/{r['steps']} steps in "
                 f"{r['wall_s']} s; peak {r['peak_reward']} at {r['peak_step']}, final "

@@ -31,6 +31,8 @@ STEP = {
     "step": 3,
     "policy_version": 3,
     "reward_mean": 0.625,
+    "reward_smoothed": 0.5,
+    "collapsed": 1.0,
     "kl": 0.0125,
     "entropy": 1.5,
     "clip_fraction": 0.25,
