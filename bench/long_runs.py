@@ -187,7 +187,6 @@ def write(results: list[dict[str, Any]], out: Path, name: str = "long_runs") -> 
                 ax.legend(fontsize=7)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
