@@ -28,6 +28,7 @@ Aspects under test:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -577,9 +578,19 @@ def fault_run(tiny_model, tmp_path_factory):
             re.search(r"metrics on http://127.0.0.1:(\d+)/", logs["trainer"].read_text()).group(1)
         )
         resumed_step = _trainer_step(out) + 1
-        _wait_for(lambda: _trainer_step(out) > resumed_step, 300, "steps on the replacement's data")
-        facts["metrics"] = _scrape(port)
+        # scraped on every poll, the last answer kept: the replacement may join with only a
+        # step or two left (a fast trainer drains rollout-0 while it leaves), and the trainer
+        # exits at its last step, so one scrape after the wait could find it gone (CI, d2590ae)
+        scraped: list[str] = []
+
+        def trained_on_replacement() -> bool:
+            with contextlib.suppress(OSError):
+                scraped.append(_scrape(port))
+            return _trainer_step(out) > resumed_step
+
+        _wait_for(trained_on_replacement, 300, "steps on the replacement's data")
         facts["trainer_code"] = trainer.wait(timeout=300)
+        facts["metrics"] = scraped[-1] if scraped else ""
     finally:
         facts["rollout_codes"] = [_stop(p) for p in (replacement,) if p is not None]
         if rollouts[0].poll() is None:
