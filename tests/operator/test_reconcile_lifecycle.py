@@ -19,6 +19,8 @@ import copy
 import json
 from typing import Any
 
+import pytest
+
 from rljob_operator.builders import JobRef
 from rljob_operator.reconcile import Observed, Policy, control_of, reconcile
 from rljob_workers.config import Progress
@@ -312,3 +314,30 @@ def test_phase_stays_running_while_a_replacement_rollout_starts() -> None:
     assert not [e for e in plan.events if e.reason in ("Pending", "Running")]
     never_ran = reconcile(with_status(starting, {}), now=NOW + 5)
     assert never_ran.status is not None and never_ran.status["phase"] == "Pending"
+
+
+@pytest.mark.parametrize(
+    ("bound", "tightened", "warned"), [(4, 2, False), (2, 1, False), (1, 1, True), (0, 0, True)]
+)
+def test_tighten_staleness_halves_the_bound_or_says_it_cannot(
+    bound: int, tightened: int, warned: bool
+) -> None:
+    observed = converged(
+        "dapo-disaggregated",
+        staleness={"maxVersions": bound, "correction": "tis"},
+        degrade={"maxPolicyLagMs": 50, "afterSeconds": 10, "action": "tightenStaleness"},
+    )
+    slow = Progress(role="trainer", time=NOW, step=3, policy_lag_ms=900.0)
+    first = reconcile(with_progress(observed, slow), now=NOW)
+    later_obs = with_progress(with_status(observed, first.status), slow)
+    later = reconcile(later_obs, now=NOW + 11)
+    assert later.status is not None and later.status["phase"] == "Degraded"
+    configmap = next(o for o in later.apply if o["kind"] == "ConfigMap")
+    assert json.loads(configmap["data"]["control.json"])["max_versions"] == tightened
+    cannot = [e for e in later.events if e.reason == "CannotTightenStaleness"]
+    assert bool(cannot) is warned
+    if warned:
+        assert cannot[0].type == "Warning" and f"maxVersions={bound} " in cannot[0].message
+        assert "throttleRollouts or pauseRollouts" in cannot[0].message
+    again = reconcile(with_progress(with_status(later_obs, later.status), slow), now=NOW + 12)
+    assert not [e for e in again.events if e.reason == "CannotTightenStaleness"]

@@ -45,7 +45,8 @@ _LAG_THRESHOLD_TEXT = (
 )
 _DEGRADE_ACTION_TEXT = (
     "throttleRollouts (fewer rollout replicas, down to minReplicas), tightenStaleness (halve "
-    "maxVersions/maxAgeSeconds) or pauseRollouts (until the trainer catches up)."
+    "maxVersions, never below 1; at 0 or 1 a Warning Event CannotTightenStaleness says it cannot) "
+    "or pauseRollouts (until the trainer catches up)."
 )
 
 

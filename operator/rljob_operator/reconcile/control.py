@@ -42,6 +42,7 @@ def _degrade(
         return Control()
     action = rule.action
     work.status["degradeAction"] = action
+    tightened = tightened_bound(spec.staleness.max_versions)
     if not was_degraded:
         work.degraded_now = True
         work.events.append(
@@ -53,12 +54,30 @@ def _degrade(
                 f"{now - since:.0f}s; action {action}",
             )
         )
+        if action == "tightenStaleness" and tightened == spec.staleness.max_versions:
+            work.events.append(
+                EventSpec(
+                    "Warning",
+                    "CannotTightenStaleness",
+                    f"spec.degrade.action tightenStaleness cannot tighten spec.staleness."
+                    f"maxVersions={tightened} further (0 would make the trainer wait for every "
+                    "new version: synchronous training); the bound stays and the lag with it. "
+                    "Set spec.degrade.action to throttleRollouts or pauseRollouts",
+                )
+            )
     if action == "throttleRollouts":
         return Control(rollout_throttle=0.5)
     if action == "pauseRollouts":
         return Control(paused=True)
-    tightened = max(1, (spec.staleness.max_versions or 2) // 2)
     return Control(max_versions=tightened)
+
+
+def tightened_bound(configured: int | None) -> int:
+    """The staleness bound tightenStaleness sets: half the configured one (unset counts as 2),
+    never below 1 (a bound of 0 would be synchronous training); a bound of 0 or 1 stays."""
+    if configured is not None and configured <= 1:
+        return configured
+    return max(1, (2 if configured is None else configured) // 2)
 
 
 def control_of(observed: Observed, ref: JobRef) -> Control:
