@@ -101,13 +101,11 @@ def summarise(
         for r in records
         if r.get("reward_smoothed") is not None
     ]
-    collapses: list[dict[str, Any]] = []
+    by_step: dict[int, dict[str, Any]] = {}  # each collapse as last reported (recovered or not)
     for r in records:
-        c = r.get("collapse")
-        if c and (not collapses or collapses[-1]["step"] != c["step"]):
-            collapses.append(dict(c))
-        elif c and collapses:
-            collapses[-1].update(c)
+        if r.get("collapse"):
+            by_step[r["collapse"]["step"]] = r["collapse"]
+    collapses = list(by_step.values())
     peak = max(curve, key=lambda sv: sv[1]) if curve else None
     best = (
         json.loads((out / "run" / "checkpoints" / "best.json").read_text())

@@ -149,8 +149,7 @@ def test_the_run_summary_counts_collapses_and_names_the_best_checkpoint() -> Non
     for step, reward in enumerate([0.9, 0.9, 0.1, 0.9, 0.9, 0.1], start=1):
         record = {"step": step, "reward_mean": reward}
         watch.observe_record(record)
-        record["best_checkpoint"] = "/ck/step-00000002"
-        record["best_reward"] = 0.9
+        record |= {"best_checkpoint": "/ck/step-00000002", "best_step": 2, "best_reward": 0.9}
         records.append(record)
     summary = summarize_records(records)
     assert summary["collapses"] == 2

@@ -53,8 +53,9 @@ from rljob_workers.engine import RolloutEngine, build_engine
 from rljob_workers.export import export_trained_policy
 from rljob_workers.health import RunHealth, health_fields
 from rljob_workers.learner import Experience, Learner, build_learner
-from rljob_workers.metrics import RoleReporter, finite_or_none, shown
+from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import pad_token_id
+from rljob_workers.report import shown
 from rljob_workers.sharding import COMPUTE_DTYPES
 from rljob_workers.staleness import effective_max_versions
 from rljob_workers.startup import StartupClock
@@ -627,10 +628,10 @@ def format_step(record: dict[str, Any], total_steps: int) -> str:
     """One human-readable progress line for a step record (a value a step lacks shows as -:
     a step that dynamic sampling skipped has no lag, KL or entropy)."""
     return (
-        f"step {record['step']}/{total_steps} reward {shown(record.get('reward_mean'), '.3f')} "
-        f"kl {shown(record.get('kl'), '.4f')} entropy {shown(record.get('entropy'), '.3f')} "
-        f"lag {shown(record.get('policy_lag_ms'), '.1f')} ms "
-        f"tok/s {shown(record.get('tokens_per_s'), '.0f')} "
-        f"step {shown(record.get('step_time_s'), '.2f')} s"
+        f"step {record['step']}/{total_steps} reward {shown(record.get('reward_mean'), '{:.3f}')} "
+        f"kl {shown(record.get('kl'), '{:.4f}')} entropy {shown(record.get('entropy'), '{:.3f}')} "
+        f"lag {shown(record.get('policy_lag_ms'), '{:.1f}')} ms "
+        f"tok/s {shown(record.get('tokens_per_s'), '{:.0f}')} "
+        f"step {shown(record.get('step_time_s'), '{:.2f}')} s"
         + (f" (skipped: {record['skipped']})" if record.get("skipped") else "")
     )

@@ -34,8 +34,9 @@ class RunHealth:
         self.saved()
 
     def observe(self, record: dict[str, Any]) -> None:
-        """Add ``reward_smoothed``, ``collapsed``, ``collapse``, ``best_checkpoint`` and
-        ``best_reward`` to a step record; log a collapse that starts or ends at it."""
+        """Add ``reward_smoothed``, ``collapsed``, ``collapse``, ``best_checkpoint``,
+        ``best_step`` and ``best_reward`` to a step record; log a collapse that starts or
+        ends at it."""
         started, ended = self.watch.observe_record(record)
         if self.speaks and started is not None:
             log.warning(
@@ -50,6 +51,7 @@ class RunHealth:
     def describe_best(self, record: dict[str, Any]) -> None:
         """Put the best checkpoint so far into a record."""
         record["best_checkpoint"] = None if self.best is None else str(self.best.path)
+        record["best_step"] = None if self.best is None else self.best.step
         record["best_reward"] = None if self.best is None else self.best.score
 
     def checkpoint_state(

@@ -33,7 +33,7 @@ from rljob_workers.checkpoint import checkpoint_step, resume_point
 from rljob_workers.config import CheckpointConfig, Role, WorkerConfig
 from rljob_workers.metrics import metrics_log_path
 from rljob_workers.ports import free_port
-from rljob_workers.report import render_summary_table, summarize_records, write_plots
+from rljob_workers.report import render_summary_table, shown, summarize_records, write_plots
 
 __all__ = [
     "ProcessSpec",
@@ -249,8 +249,7 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 def _progress_line(name: str, record: Mapping[str, Any], total: int) -> str:
     def num(key: str, fmt: str) -> str:
-        value = record.get(key)
-        return fmt.format(value) if isinstance(value, int | float) else "-"
+        return shown(record.get(key), fmt)
 
     return (
         f"[{name}] step {record.get('step', '?')}/{total}  reward {num('reward_mean', '{:.3f}')}  "

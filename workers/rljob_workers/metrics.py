@@ -40,7 +40,6 @@ __all__ = [
     "finite_or_none",
     "metrics_log_path",
     "read_metrics_log",
-    "shown",
 ]
 
 log = logging.getLogger(__name__)
@@ -253,13 +252,6 @@ def finite_or_none(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
-
-
-def shown(value: Any, spec: str, missing: str = "-") -> str:
-    """``value`` formatted with ``spec`` for a log line, or ``missing`` when it is absent or not
-    a finite number (a skipped step has no lag, no loss, no KL)."""
-    number = finite_or_none(value)
-    return missing if number is None else format(number, spec)
 
 
 class RoleReporter:

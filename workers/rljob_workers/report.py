@@ -7,7 +7,6 @@ Input is the per-step records each worker wrote to its JSONL metrics file
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -89,12 +88,10 @@ def _health(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     watched = [r for r in records if "collapsed" in r]
     last = watched[-1] if watched else {}
     collapse = last.get("collapse") or {}
-    best = last.get("best_checkpoint")
-    step = re.search(r"step-(\d+)/?$", best) if isinstance(best, str) else None
     return {
         "collapses": int(collapse.get("count", 0)) if watched else None,
-        "best_checkpoint": best,
-        "best_checkpoint_step": int(step.group(1)) if step else None,
+        "best_checkpoint": last.get("best_checkpoint"),
+        "best_checkpoint_step": last.get("best_step"),
         "best_checkpoint_reward": last.get("best_reward"),
     }
 
@@ -134,13 +131,15 @@ def render_summary_table(summaries: Mapping[str, Mapping[str, Any]], *, title: s
     for name in summaries:
         table.add_column(name, justify="right")
     for label, key, fmt in TABLE_ROWS:
-        cells = [_format(summary.get(key), fmt) for summary in summaries.values()]
+        cells = [shown(summary.get(key), fmt) for summary in summaries.values()]
         if any(cell != "-" for cell in cells):
             table.add_row(label, *cells)
     return table
 
 
-def _format(value: Any, fmt: str) -> str:
+def shown(value: Any, fmt: str) -> str:
+    """``value`` formatted with ``fmt`` (``"{:.3f}"``), or "-" when it is absent or not a finite
+    number (a step skipped by dynamic sampling has no lag, KL or entropy)."""
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return fmt.format(value)
     return "-"

@@ -59,8 +59,9 @@ from rljob_workers.ddp import global_sum, trainer_process_group
 from rljob_workers.export import export_trained_policy
 from rljob_workers.health import RunHealth, health_fields
 from rljob_workers.learner import Experience, build_learner
-from rljob_workers.metrics import RoleReporter, finite_or_none, shown
+from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.policy import PolicyModel, pad_token_id
+from rljob_workers.report import shown
 from rljob_workers.sharding import COMPUTE_DTYPES
 from rljob_workers.staleness import StalenessAccounting, effective_max_versions
 from rljob_workers.transport import ExperienceServer, token_from_env
@@ -646,14 +647,14 @@ def publish_weights(
 
 
 def _format_step(record: dict[str, Any], total_steps: int) -> str:
-    lag = shown(record.get("policy_lag_ms"), ".0f")
+    lag = shown(record.get("policy_lag_ms"), "{:.0f}")
     return (
         f"step {record['step']}/{total_steps} v{record['policy_version']} reward "
-        f"{shown(record.get('reward_mean'), '.3f')} behind "
-        f"{shown(record.get('policy_lag_versions'), '.2f')} "
+        f"{shown(record.get('reward_mean'), '{:.3f}')} behind "
+        f"{shown(record.get('policy_lag_versions'), '{:.2f}')} "
         f"(max {record.get('policy_lag_versions_max')}) lag "
-        f"{lag if lag == '-' else f'{lag} ms'} wait {shown(record.get('wait_s'), '.2f')} s "
-        f"step {shown(record.get('step_time_s'), '.2f')} s"
+        f"{lag if lag == '-' else f'{lag} ms'} wait {shown(record.get('wait_s'), '{:.2f}')} s "
+        f"step {shown(record.get('step_time_s'), '{:.2f}')} s"
     )
 
 
