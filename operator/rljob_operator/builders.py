@@ -275,6 +275,8 @@ def build_worker_config(
                 max_tokens=sampling.max_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
             ),
         ),
         trainer=TrainerConfig(
@@ -352,6 +354,8 @@ HASH_NEUTRAL: dict[str, object] = {
     "trainer.cpu_offload": False,
     "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
     **{f"collapse.{k}": v for k, v in CollapseConfig().model_dump(mode="json").items()},
+    "rollout.sampling.top_k": 0,
+    "rollout.sampling.min_p": 0.0,
 }
 """Worker-config fields added after the first release, by dotted path, with the value a job
 stored before the field existed renders now (the spec default, or what an unset field resolves

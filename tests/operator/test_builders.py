@@ -161,6 +161,18 @@ def test_build_worker_config_resolves_defaults() -> None:
     assert ppo.weight_sync.method == "inProcess"
 
 
+def test_build_worker_config_carries_the_sampling_restriction() -> None:
+    job = load_example("grpo-colocated")
+    sampling = {"topP": 0.9, "topK": 20, "minP": 0.05}
+    raw = job.spec.model_dump(by_alias=True, exclude_unset=True)
+    raw["rollout"] = {**raw.get("rollout", {}), "sampling": sampling}
+    spec = type(job.spec).model_validate(raw)
+    rendered = build_worker_config(spec, REF, "colocated").rollout.sampling
+    assert (rendered.top_p, rendered.top_k, rendered.min_p) == (0.9, 20, 0.05)
+    default = build_worker_config(job.spec, REF, "colocated").rollout.sampling
+    assert (default.top_k, default.min_p) == (0, 0.0)
+
+
 def test_build_worker_config_sharding_defaults_render_fsdp() -> None:
     trainer = build_worker_config(load_example("grpo-colocated").spec, REF, "colocated").trainer
     assert (trainer.sharding, trainer.reshard_after_forward, trainer.cpu_offload) == (

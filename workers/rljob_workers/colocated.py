@@ -361,6 +361,8 @@ class ColocatedRuntime:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
             seed=mix_seed(self.config.seed, self.step, self.env.rank, round_index),
         )
         if len(completions) != len(prompts) * sampling.n:

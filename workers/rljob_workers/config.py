@@ -104,6 +104,10 @@ class SamplingConfig(_Model):
     max_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = Field(0, description="keep the k most likely tokens (0: every token)")
+    min_p: float = Field(
+        0.0, description="keep tokens with at least min_p times the top token's probability"
+    )
 
 
 class RolloutConfig(_Model):

@@ -59,6 +59,7 @@ from rljob_workers.algos import (
     tis_policy_loss,
     whiten_with_moments,
 )
+from rljob_workers.algos.sampling import Truncation
 from rljob_workers.config import AlgorithmConfig, WorkerConfig
 from rljob_workers.ddp import global_sum
 from rljob_workers.policy import (
@@ -658,19 +659,23 @@ class Learner:
 def build_learner(config: WorkerConfig, *, pad_id: int, rank: int, world_size: int) -> Learner:
     """Load the policy (tempered like the sampler), and the critic and reference when needed.
 
-    The policy divides its logits by ``rollout.sampling.temperature``, the distribution the
-    tokens were drawn from, so ratios, gradients and KL are those of the sampling policy.
+    The policy divides its logits by ``rollout.sampling.temperature`` and restricts them by its
+    top-k / top-p / min-p, the distribution the tokens were drawn from, so ratios, gradients and
+    KL are those of the sampling policy.
     The policy and the critic load in fp32, the master weights the optimizer steps (the
     forward computes in ``model.dtype``); the frozen reference loads in ``model.dtype``.
     """
     model = config.model
     checkpointing = config.trainer.gradient_checkpointing
-    temperature = config.rollout.sampling.temperature or 1.0
+    sampling = config.rollout.sampling
+    temperature = sampling.temperature or 1.0
+    truncation = Truncation(top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
     policy = PolicyModel.from_pretrained(
         model.path,
         dtype="float32",
         device=config.device,
         temperature=temperature,
+        truncation=truncation,
         gradient_checkpointing=checkpointing,
     )
     critic = None
@@ -684,7 +689,11 @@ def build_learner(config: WorkerConfig, *, pad_id: int, rank: int, world_size: i
     reference = None
     if config.algorithm.kl_coef > 0:
         reference = PolicyModel.from_pretrained(
-            model.path, dtype=model.dtype, device=config.device, temperature=temperature
+            model.path,
+            dtype=model.dtype,
+            device=config.device,
+            temperature=temperature,
+            truncation=truncation,
         )
         reference.requires_grad_(False)
         reference.eval()

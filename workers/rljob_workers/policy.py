@@ -21,6 +21,7 @@ from torch import Size, Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rljob_workers.algos import entropy_from_logits
+from rljob_workers.algos.sampling import Truncation
 from rljob_workers.sharding import gather_full_tensors, global_amax
 
 __all__ = [
@@ -239,15 +240,22 @@ class PolicyModel(nn.Module):
     Args:
         model: a Hugging Face ``*ForCausalLM`` module.
         temperature: logits are divided by it before the softmax, matching sampling.
+        truncation: the sampling's top-k / top-p / min-p restriction, applied after the
+            temperature as the engines apply it (``algos.sampling``), with the scored token
+            always kept: log-probs, entropies and gradients are those of the distribution the
+            engine sampled from, not of the full softmax.
     """
 
-    def __init__(self, model: Any, *, temperature: float = 1.0) -> None:
+    def __init__(
+        self, model: Any, *, temperature: float = 1.0, truncation: Truncation | None = None
+    ) -> None:
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         disable_dropout(model)
         self.model = model
         self.temperature = temperature
+        self.truncation = truncation or Truncation()
 
     @classmethod
     def from_pretrained(
@@ -257,10 +265,15 @@ class PolicyModel(nn.Module):
         dtype: str = "float32",
         device: str = "cpu",
         temperature: float = 1.0,
+        truncation: Truncation | None = None,
         gradient_checkpointing: bool = False,
     ) -> PolicyModel:
         """Load the policy from a local checkpoint directory."""
-        policy = cls(load_causal_lm(path, dtype=dtype, device=device), temperature=temperature)
+        policy = cls(
+            load_causal_lm(path, dtype=dtype, device=device),
+            temperature=temperature,
+            truncation=truncation,
+        )
         policy.set_gradient_checkpointing(gradient_checkpointing)
         return policy
 
@@ -326,6 +339,7 @@ class PolicyModel(nn.Module):
         # contiguous: a strided input can take another matmul kernel (last-bit differences
         # between a trainable policy and its frozen reference)
         logits = self.model.get_output_embeddings()(hidden.contiguous()).float() / self.temperature
+        logits = self.truncation.apply(logits, keep=targets)
         log_probs = torch.log_softmax(logits, dim=-1)
         logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         entropy = entropy_from_logits(logits) if with_entropy else torch.zeros_like(logp)
@@ -349,6 +363,7 @@ class PolicyModel(nn.Module):
             use_cache=False,
         )
         logits = _response_slice(batch, out.logits).float() / self.temperature
+        logits = self.truncation.apply(logits, keep=batch.response_ids)
         log_probs = torch.log_softmax(logits, dim=-1)
         logp = log_probs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
         logp = logp * batch.response_mask

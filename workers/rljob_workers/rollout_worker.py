@@ -222,6 +222,8 @@ class RolloutWorker:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng)),
         )
         if self.first_generation_version is None:

@@ -30,7 +30,24 @@ class Sampling(SpecModel):
     )
     max_tokens: int = Field(1024, ge=1, le=1_048_576, description="Maximum response length.")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling probability mass. The trainer scores with the same "
+        "restriction (topP, topK, minP): old, new and behaviour log-probs are of the "
+        "distribution the tokens were sampled from, not the full softmax.",
+    )
+    top_k: int = Field(
+        0, ge=0, le=1_000_000, description="Keep only the k most likely tokens (0: every token)."
+    )
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Keep only tokens whose probability is at least minP times the most "
+        "likely token's (0: off).",
+    )
 
 
 class Rollout(SpecModel):

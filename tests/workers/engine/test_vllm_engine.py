@@ -100,9 +100,18 @@ def test_vllm_greedy_equals_hf_ids_and_logprobs(vllm_engine, hf_engine):
     _assert_greedy_agree(vllm_engine, hf_engine)
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (1.7, 0.8)])
-def test_vllm_sampled_logprobs_equal_hf_sampling_scores(vllm_engine, hf_engine, temperature, top_p):
-    _assert_sampled_logprobs_agree(vllm_engine, hf_engine, temperature=temperature, top_p=top_p)
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1.0},
+        {"temperature": 1.7, "top_p": 0.8},
+        {"temperature": 1.5, "top_k": 4},
+        {"temperature": 1.5, "min_p": 0.7},
+        {"temperature": 1.3, "top_p": 0.9, "top_k": 6, "min_p": 0.5},
+    ],
+)
+def test_vllm_sampled_logprobs_equal_hf_sampling_scores(vllm_engine, hf_engine, sampling):
+    _assert_sampled_logprobs_agree(vllm_engine, hf_engine, **sampling)
 
 
 def test_vllm_seeded_sampling_reproducible(vllm_engine):

@@ -2,10 +2,11 @@
 
 Log-probability semantics (identical in every backend): ``Completion.logprobs[i]`` is the
 log-probability of ``token_ids[i]`` under the distribution it was drawn from: the logits
-divided by the temperature, restricted to the top-p nucleus and renormalised (vLLM's
-``processed_logprobs``); raw ``log_softmax(logits)`` for greedy decoding. The trainer scores
-with the same temperature (``PolicyModel(temperature=...)``, as verl and TRL do), so the
-behaviour log-probs, the ratio, the gradient and the KL all refer to one distribution.
+divided by the temperature, restricted by min-p, top-k and top-p and renormalised (vLLM's
+``processed_logprobs``; the rules in ``algos.sampling``); raw ``log_softmax(logits)`` for greedy
+decoding. The trainer scores with the same temperature and the same restriction
+(``PolicyModel(sampling=...)``), so the behaviour log-probs, the ratio, the gradient and the KL
+all refer to one distribution.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class RolloutEngine(Protocol):
         max_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: int | None = None,
     ) -> list[Completion]:
         """Sample ``n`` responses per prompt (texts or token-id lists).
@@ -123,7 +126,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-def check_sampling(n: int, max_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(
+    n: int, max_tokens: int, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0
+) -> None:
     """Raise ``ValueError`` naming the argument when a sampling setting is out of range."""
     if n < 1:
         raise ValueError(f"n: must be >= 1, got {n}")
@@ -133,6 +138,10 @@ def check_sampling(n: int, max_tokens: int, temperature: float, top_p: float) ->
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k: must be >= 0 (0: every token), got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p: must be in [0, 1], got {min_p}")
 
 
 def check_version(version: int, current: int) -> None:

@@ -2,19 +2,22 @@
 
 Sampling runs a plain KV-cached decode loop over a left-padded batch. The returned
 log-probabilities are those of the distribution the tokens were drawn from: the logits divided
-by ``temperature``, restricted to the ``top_p`` nucleus and renormalised, as in every backend
-(see ``base``); greedy decoding (``temperature == 0``) returns the raw model log-probabilities.
+by ``temperature``, restricted by ``min_p``, ``top_k`` and ``top_p`` (``algos.sampling``, vLLM's
+rules) and renormalised, as in every backend (see ``base``); greedy decoding (``temperature == 0``)
+returns the raw model log-probabilities.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from rljob_workers.algos.sampling import restrict_logits
 from rljob_workers.engine.base import (
     Completion,
     DecodingSource,
@@ -81,10 +84,13 @@ class HFEngine:
         max_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: int | None = None,
     ) -> list[Completion]:
         """Sample ``n`` responses per prompt; see ``RolloutEngine.generate``."""
-        check_sampling(n, max_tokens, temperature, top_p)
+        check_sampling(n, max_tokens, temperature, top_p, top_k, min_p)
+        rule = _Rule(temperature, top_k, top_p, min_p)
         prompt_ids = self.encode(prompts)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(request_seeds(seed, 1, self._stream)[0])
@@ -94,7 +100,7 @@ class HFEngine:
         chunk_rows = max(self.max_batch_size, self.max_batch_tokens // row_tokens)
         for start in range(0, len(rows), chunk_rows):
             chunk = rows[start : start + chunk_rows]
-            completions += self._generate_chunk(chunk, max_tokens, temperature, top_p, generator)
+            completions += self._generate_chunk(chunk, max_tokens, rule, generator)
         return completions
 
     def encode(self, prompts: Prompts) -> list[list[int]]:
@@ -116,15 +122,16 @@ class HFEngine:
         *,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> list[float]:
         """Log-probabilities of ``token_ids`` following ``prompt_ids`` (teacher forcing) under
-        the sampling distribution of ``temperature`` and ``top_p`` (raw at the defaults)."""
+        the sampling distribution of these settings (raw at the defaults)."""
         ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
         chosen = torch.tensor(list(token_ids), device=self.device)
-        probs = _sampling_probs(logits, temperature, top_p)
-        logprobs = torch.log(_normalised(probs).gather(-1, chosen[:, None])[:, 0])
-        return [float(value) for value in logprobs]
+        logprobs = _Rule(temperature, top_k, top_p, min_p).logprobs(logits)
+        return [float(value) for value in logprobs.gather(-1, chosen[:, None])[:, 0]]
 
     @torch.no_grad()
     def load_weights(self, version: int, source: WeightSource) -> None:
@@ -162,8 +169,7 @@ class HFEngine:
         self,
         rows: list[tuple[int, list[int]]],
         max_tokens: int,
-        temperature: float,
-        top_p: float,
+        rule: _Rule,
         generator: torch.Generator,
     ) -> list[Completion]:
         from transformers import DynamicCache
@@ -182,8 +188,7 @@ class HFEngine:
         stop_ids = torch.tensor(sorted(self._stop_ids), device=self.device)
         for _ in range(max_tokens):
             logits = out.logits[:, -1, :].float()
-            token, probs = _sample(logits, temperature, top_p, generator)
-            token_logprob = torch.log(_normalised(probs).gather(-1, token[:, None]))
+            token, token_logprob = rule.sample(logits, generator)
             sampled = torch.cat([sampled, token[:, None]], dim=1)
             logprobs = torch.cat([logprobs, token_logprob], dim=1)
             done |= torch.isin(token, stop_ids)
@@ -229,32 +234,36 @@ class HFEngine:
         )
 
 
-def _sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """``[batch, vocab]`` unnormalised probabilities tokens are drawn from: softmax(logits / T)
-    restricted to the smallest nucleus with mass >= ``top_p``; the raw softmax at T = 0."""
-    if temperature == 0:
-        return torch.softmax(logits, dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return probs
+@dataclass(frozen=True)
+class _Rule:
+    """The sampling settings of one ``generate`` call."""
 
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
 
-def _normalised(probs: torch.Tensor) -> torch.Tensor:
-    return probs / probs.sum(dim=-1, keepdim=True)
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[batch, vocab]`` log-probs tokens are drawn from: ``log_softmax`` of the tempered,
+        restricted logits (``algos.sampling``); the raw model log-probs at T = 0 (greedy)."""
+        if self.temperature == 0:
+            return torch.log_softmax(logits, dim=-1)
+        restricted = restrict_logits(
+            logits / self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
+        )
+        return torch.log_softmax(restricted, dim=-1)
 
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits`` [batch, vocab] (greedy at temperature 0); returns
-    the tokens and the (unnormalised) probabilities they were drawn from."""
-    probs = _sampling_probs(logits, temperature, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1), probs
-    return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+    def sample(
+        self, logits: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of ``logits`` [batch, vocab] (greedy at T = 0) and its
+        log-prob ``[batch, 1]``."""
+        logprobs = self.logprobs(logits)
+        if self.temperature == 0:
+            token = logits.argmax(dim=-1)
+        else:
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator)[:, 0]
+        return token, logprobs.gather(-1, token[:, None])
 
 
 def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -17,8 +17,8 @@ incremental detokenizer, and its decoding of every sampled log-prob's token to t
 quarter of a tiny model's generate step (all per-token Python), and neither is used.
 
 Log-probabilities are those of the sampling distribution (``logprobs_mode="processed_logprobs"``,
-``SamplingParams(logprobs=0)``): ``log_softmax`` of the logits after temperature and top-p,
-exactly what the transformers backend returns.
+``SamplingParams(logprobs=0)``): ``log_softmax`` of the logits after temperature, min-p, top-k and
+top-p, exactly what the transformers backend returns and the learner scores (``algos.sampling``).
 
 vLLM wraps its sampler's log-prob gather in ``torch.compile`` even with ``enforce_eager``: the first
 ``generate`` of a process then spends seconds in dynamo and inductor (5-10 s on the 2-core box; a
@@ -137,6 +137,8 @@ class VLLMEngine:
         max_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: int | None = None,
     ) -> list[Completion]:
         """Sample ``n`` responses per prompt; see ``RolloutEngine.generate``.
@@ -146,7 +148,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        check_sampling(n, max_tokens, temperature, top_p)
+        check_sampling(n, max_tokens, temperature, top_p, top_k, min_p)
         prompt_ids = self.encode(prompts)
         params = [
             SamplingParams(
@@ -154,6 +156,8 @@ class VLLMEngine:
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
                 seed=request_seed,
                 logprobs=0,
                 skip_special_tokens=True,
