@@ -205,17 +205,22 @@ def build_algorithm_config(spec: RLJobSpec) -> AlgorithmConfig:
     estimator = resolve_advantage_estimator(spec.algorithm)
     enabled, max_length, cache_length = resolve_overlong(spec)
     correction = spec.staleness.correction
-    policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis"] = (
+    policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis", "mis"] = (
         "decoupled-ppo"
         if correction == "decoupledPPO"
         else "tis"
         if correction == "tis"
+        else "mis"
+        if correction == "mis"
         else "ppo-clip"
     )
     return AlgorithmConfig(
         name=a.name,
         advantage_estimator=estimator,
         policy_loss=policy_loss,
+        mis_low=spec.staleness.mis.low,
+        mis_high=spec.staleness.mis.high,
+        mis_level=spec.staleness.mis.level,
         clip_low=a.clip_ratio_low,
         clip_high=resolve_clip_ratio_high(a),
         dual_clip=a.dual_clip,
@@ -354,6 +359,9 @@ HASH_NEUTRAL: dict[str, object] = {
     "trainer.cpu_offload": False,
     "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
     **{f"collapse.{k}": v for k, v in CollapseConfig().model_dump(mode="json").items()},
+    "algorithm.mis_low": 0.5,
+    "algorithm.mis_high": 2.0,
+    "algorithm.mis_level": "token",
     "rollout.sampling.top_k": 0,
     "rollout.sampling.min_p": 0.0,
 }

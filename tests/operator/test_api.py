@@ -156,7 +156,7 @@ def test_dump_uses_camel_case_and_round_trips() -> None:
 
 ON_POLICY_PPO = (
     "spec.algorithm: ppo is on-policy; with topology disaggregated set "
-    "spec.staleness.correction (decoupledPPO|tis) and spec.staleness.maxVersions"
+    "spec.staleness.correction (decoupledPPO|tis|mis) and spec.staleness.maxVersions"
 )
 
 POWERSGD_FSDP = (

@@ -173,6 +173,17 @@ def test_build_worker_config_carries_the_sampling_restriction() -> None:
     assert (default.top_k, default.min_p) == (0, 0.0)
 
 
+def test_build_worker_config_masked_importance_sampling() -> None:
+    staleness = {"maxVersions": 2, "correction": "mis", "mis": {"low": 0.8, "level": "sequence"}}
+    job = load_example("dapo-disaggregated", staleness=staleness)
+    algorithm = build_worker_config(job.spec, REF, "disaggregated").algorithm
+    assert (algorithm.policy_loss, algorithm.mis_low, algorithm.mis_high) == ("mis", 0.8, 2.0)
+    assert algorithm.mis_level == "sequence"
+    for bad, field in (({"low": 1.0}, "mis.low"), ({"high": 1.0}, "mis.high")):
+        with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+            load_example("dapo-disaggregated", staleness={**staleness, "mis": bad})
+
+
 def test_build_worker_config_sharding_defaults_render_fsdp() -> None:
     trainer = build_worker_config(load_example("grpo-colocated").spec, REF, "colocated").trainer
     assert (trainer.sharding, trainer.reshard_after_forward, trainer.cpu_offload) == (

@@ -448,3 +448,8 @@ def test_run_colocated_sigterm_mid_run_checkpoints_last_step_and_stops(tiny_mode
     progress = json.loads((tmp_path / "progress" / "actor-0.json").read_text())
     assert progress["last_checkpoint"] == str(saved)
     assert progress["done"] is False
+    # the train/inference mismatch at the same weights: in the records, the Progress, ~0
+    mismatch = progress["logprob_mismatch"]
+    assert mismatch["step"] == 2 and mismatch["tokens"] > 0
+    assert mismatch["mean"] < 1e-4 and mismatch["max"] < 1e-3 and abs(mismatch["kl"]) < 1e-6
+    assert records[-1]["logprob_mismatch_mean"] == pytest.approx(mismatch["mean"])

@@ -306,6 +306,14 @@ def test_trainer_never_trains_beyond_max_versions_and_exports_drops(tiny_model, 
     assert progress["policy_version"] == 3
     written = json.loads((tmp_path / ACCOUNTING_FILE).read_text())
     assert written["staleness_histogram"] == {"0": 8, "1": 4}
+    # the train/inference mismatch is measured only on rows sampled at the trainer's weights
+    # ("a" at step 1, "d" at step 3), never on stale ones ("b" at step 2)
+    assert first["logprob_mismatch_tokens"] > 0 and third["logprob_mismatch_tokens"] > 0
+    assert "logprob_mismatch_mean" not in second and second["behaviour_logprob_gap"] > 0
+    assert second["logprob_mismatch"]["step"] == 1  # the newest measured, kept
+    assert progress["logprob_mismatch"]["step"] == 3
+    assert progress["logprob_mismatch"]["mean"] == pytest.approx(third["logprob_mismatch_mean"])
+    assert re.search(r"^rljob_logprob_mismatch_mean{[^}]*} \S+$", metrics, re.MULTILINE)
 
 
 def test_dapo_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_score(

@@ -86,6 +86,9 @@ def _join(*parts: Experience) -> Experience:
         [r for e in parts for r in e.response_ids],
         [b for e in parts for b in e.behaviour_logprobs],
         [s for e in parts for s in e.scores],
+        None
+        if any(e.versions_behind is None for e in parts)
+        else [v for e in parts for v in e.versions_behind or ()],
     )
 
 
@@ -255,6 +258,18 @@ def _experience_for(rank: int) -> Experience:
     return SHORT if rank == 0 else LONG
 
 
+def _versioned(experience: Experience, behind: int) -> Experience:
+    """``experience`` with a behaviour log-prob per token and every row ``behind`` versions old."""
+    logprobs = [[-1.0 - 0.5 * i for i in range(len(r))] for r in experience.response_ids]
+    return Experience(
+        experience.prompt_ids,
+        experience.response_ids,
+        logprobs,
+        experience.scores,
+        [behind] * len(experience),
+    )
+
+
 def _alternating_reward():
     count = [0]
 
@@ -279,6 +294,10 @@ def rank_main(out_dir: Path) -> None:
     )
     learner.update(_experience_for(rank), seed=0)
     results: dict[str, object] = {"grads": _grads(learner.policy)}
+    # rank 0's rows were sampled at the learner's weights, rank 1's one version earlier
+    results["metrics"] = Learner(
+        config, PolicyModel.from_pretrained(model), pad_id=PAD, rank=rank, world_size=2
+    ).update(_versioned(_experience_for(rank), rank), seed=0)
 
     # colocated DAPO dynamic sampling: rank 0's groups always have signal, rank 1's never do
     dapo = config.model_copy(
@@ -320,6 +339,56 @@ def test_learner_two_ranks_token_mean_equals_one_process_on_both_ranks_rows(two_
 
     torch.testing.assert_close(results[0]["grads"], results[1]["grads"])
     torch.testing.assert_close(results[0]["grads"], _grads(single.policy), atol=1e-6, rtol=1e-4)
+
+
+def test_learner_two_ranks_report_the_whole_batch_metrics(two_ranks, tmp_path):
+    """Review finding (issue 26 item 7): metrics were per rank. Both ranks now report the values
+    one process training on both ranks' rows reports: means weighted by tokens, the advantage
+    variance of all sequences, the largest mismatch, and the mismatch only over rows sampled at
+    the learner's weights (rank 0's)."""
+    out_dir, results = two_ranks
+    single = Learner(
+        _config(out_dir / "model", tmp_path),
+        PolicyModel.from_pretrained(out_dir / "model"),
+        pad_id=PAD,
+    ).update(_join(_versioned(SHORT, 0), _versioned(LONG, 1)), seed=0)
+    rank0, rank1 = results[0]["metrics"], results[1]["metrics"]
+    assert rank0 == rank1
+    assert rank0["logprob_mismatch_tokens"] == 2.0  # rank 0: two one-token responses
+    assert rank0["tokens"] == 8.0
+    keys = {
+        "tokens", "advantage_var", "behaviour_logprob_gap", "entropy", "policy_loss", "kl",
+        "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_kl", "grad_norm",
+    }  # fmt: skip
+    assert keys <= set(rank0)
+    for key in keys:
+        assert rank0[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
+    # one rank alone would have reported its own rows' token count and behaviour gap
+    alone = Learner(
+        _config(out_dir / "model", tmp_path),
+        PolicyModel.from_pretrained(out_dir / "model"),
+        pad_id=PAD,
+    ).update(_versioned(LONG, 1), seed=0)
+    assert alone["tokens"] == 6.0
+    assert alone["behaviour_logprob_gap"] != pytest.approx(rank0["behaviour_logprob_gap"], rel=1e-3)
+    assert "logprob_mismatch_mean" not in alone  # no row at the learner's weights
+
+
+def test_learner_mismatch_is_measured_on_rows_at_the_learners_weights(tiny_model, tmp_path):
+    learner = Learner(
+        _config(tiny_model, tmp_path), PolicyModel.from_pretrained(tiny_model), pad_id=PAD
+    )
+    experience = _versioned(LONG, 0)
+    prepared = learner.prepare(experience)
+    assert prepared is not None
+    mask = prepared.batch.response_mask
+    delta = prepared.old_logp - prepared.behaviour_logp
+    metrics = learner.update(experience, seed=0)
+    assert metrics["logprob_mismatch_mean"] == pytest.approx(float(delta.abs().sum() / mask.sum()))
+    assert metrics["logprob_mismatch_max"] == pytest.approx(float(delta.abs().max()))
+    k3 = (torch.exp(delta) - 1 - delta).sum() / mask.sum()
+    assert metrics["logprob_mismatch_kl"] == pytest.approx(float(k3), rel=1e-5)
+    assert metrics["logprob_mismatch_tokens"] == 6.0
 
 
 def test_colocated_dynamic_sampling_ranks_agree_on_rounds_and_cursor(two_ranks):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
@@ -56,7 +56,7 @@ class AlgorithmConfig(_Model):
 
     name: Literal["ppo", "grpo", "dapo"]
     advantage_estimator: Literal["gae", "grpo", "dr-grpo"]
-    policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis"] = "ppo-clip"
+    policy_loss: Literal["ppo-clip", "decoupled-ppo", "tis", "mis"] = "ppo-clip"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -83,6 +83,11 @@ class AlgorithmConfig(_Model):
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     tis_cap: float = 2.0
+    mis_low: float = Field(0.5, description="mis: mask tokens whose weight is below this")
+    mis_high: float = Field(2.0, description="mis: mask tokens whose weight is above this")
+    mis_level: Literal["token", "sequence"] = Field(
+        "token", description="mis: per token, or per response by its geometric-mean weight"
+    )
 
 
 class ModelConfig(_Model):
@@ -147,7 +152,7 @@ class TrainerConfig(_Model):
 class StalenessConfig(_Model):
     max_versions: int | None = None
     max_age_seconds: float | None = None
-    correction: Literal["none", "decoupledPPO", "tis"] = "none"
+    correction: Literal["none", "decoupledPPO", "tis", "mis"] = "none"
     max_policy_lag_ms: float = 50.0
     degrade_after_seconds: float = 30.0
     degrade_action: Literal["throttleRollouts", "tightenStaleness", "pauseRollouts"] = (
@@ -287,10 +292,23 @@ PROGRESS_FIELDS_SINCE: dict[str, int] = {
     "collapse": 4,
     "best_checkpoint": 4,
     "best_reward": 4,
+    "logprob_mismatch": 5,
 }
 """Progress fields added after schema 1, with the schema version that added them: a report to
 an operator of an older schema leaves them out (that operator's model refuses unknown fields
 and would drop the whole report)."""
+
+
+class MismatchReport(_Model):
+    """The newest train/inference log-prob mismatch a learner measured: rollout vs trainer
+    log-probs of the same tokens under the same weights (rows sampled at the learner's
+    version)."""
+
+    step: int = Field(ge=0, description="the step it was measured at")
+    mean: float = Field(ge=0, description="mean |rollout - trainer| log-prob (nats)")
+    max: float = Field(ge=0, description="largest |rollout - trainer| log-prob (nats)")
+    kl: float = Field(description="k3 estimate of KL(rollout || trainer) per token (nats)")
+    tokens: int = Field(ge=0, description="tokens it was measured on")
 
 
 class CollapseReport(_Model):
@@ -348,6 +366,9 @@ class Progress(_Model):
         None, description="the best checkpoint by smoothed reward, kept besides the newest"
     )
     best_reward: float | None = Field(None, description="the smoothed reward it was saved at")
+    logprob_mismatch: MismatchReport | None = Field(
+        None, description="the newest train/inference mismatch measured (None: not yet)"
+    )
     done: bool = Field(False, description="totalSteps reached; the job may finish")
 
     def dump_for(self, schema: int) -> str:

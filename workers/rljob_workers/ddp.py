@@ -39,6 +39,7 @@ from rljob_workers.config import (
 
 __all__ = [
     "DistributedContext",
+    "global_max",
     "global_sum",
     "init_process_group_from_env",
     "needs_process_group",
@@ -207,6 +208,17 @@ def wrap_ddp(
         ddp, compression, process_group=process_group, start_powersgd_iter=start_powersgd_iter
     )
     return ddp
+
+
+def global_max(values: list[float], *, distributed: bool) -> list[float]:
+    """Element-wise maximum of ``values`` over every rank of the default group (float64);
+    unchanged without ``distributed``."""
+    if not distributed:
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.cpu()]
 
 
 def global_sum(values: list[float], *, distributed: bool) -> list[float]:

@@ -14,7 +14,8 @@ from typing import Any
 
 from rljob_workers.checkpoint import BestCheckpoint, CheckpointState, best_checkpoint
 from rljob_workers.collapse import CollapseWatch
-from rljob_workers.config import CollapseReport, WorkerConfig
+from rljob_workers.config import CollapseReport, MismatchReport, WorkerConfig
+from rljob_workers.metrics import finite_or_none
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,14 @@ class RunHealth:
         self.keep_best = config.checkpoint.keep_best
         self.speaks = speaks
         self.best: BestCheckpoint | None = None
+        self.mismatch: MismatchReport | None = None
         self.saved()
 
     def observe(self, record: dict[str, Any]) -> None:
         """Add ``reward_smoothed``, ``collapsed``, ``collapse``, ``best_checkpoint``,
-        ``best_step`` and ``best_reward`` to a step record; log a collapse that starts or
-        ends at it."""
+        ``best_step``, ``best_reward`` and ``logprob_mismatch`` (the newest one measured, with
+        its step) to a step record; log a collapse that starts or ends at it."""
+        self._observe_mismatch(record)
         started, ended = self.watch.observe_record(record)
         if self.speaks and started is not None:
             log.warning(
@@ -47,6 +50,18 @@ class RunHealth:
         if self.speaks and ended is not None:
             log.info("recovered from the collapse at step %d (%s)", ended.step, ended.metric)
         self.describe_best(record)
+
+    def _observe_mismatch(self, record: dict[str, Any]) -> None:
+        values = [
+            finite_or_none(record.get(f"logprob_mismatch_{key}"))
+            for key in ("mean", "max", "kl", "tokens")
+        ]
+        if all(value is not None for value in values) and isinstance(record.get("step"), int):
+            mean, largest, kl, tokens = (float(v) for v in values if v is not None)
+            self.mismatch = MismatchReport(
+                step=record["step"], mean=mean, max=largest, kl=kl, tokens=int(tokens)
+            )
+        record["logprob_mismatch"] = None if self.mismatch is None else self.mismatch.model_dump()
 
     def describe_best(self, record: dict[str, Any]) -> None:
         """Put the best checkpoint so far into a record."""
@@ -81,8 +96,12 @@ def health_fields(record: dict[str, Any]) -> dict[str, Any]:
     """The ``Progress`` fields of a step record that went through ``RunHealth.observe``."""
     collapse = record.get("collapse")
     best = record.get("best_reward")
+    mismatch = record.get("logprob_mismatch")
     return {
         "collapse": None if collapse is None else CollapseReport.model_validate(collapse),
         "best_checkpoint": record.get("best_checkpoint"),
         "best_reward": best if isinstance(best, (int, float)) else None,
+        "logprob_mismatch": None
+        if not isinstance(mismatch, dict)
+        else MismatchReport.model_validate(mismatch),
     }

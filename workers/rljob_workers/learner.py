@@ -55,13 +55,15 @@ from rljob_workers.algos import (
     masked_mean,
     masked_moments,
     masked_sum,
+    mis_policy_loss,
     ppo_clip_policy_loss,
     tis_policy_loss,
     whiten_with_moments,
 )
+from rljob_workers.algos.policy_loss import LOG_RATIO_LIMIT
 from rljob_workers.algos.sampling import Truncation
 from rljob_workers.config import AlgorithmConfig, WorkerConfig
-from rljob_workers.ddp import global_sum
+from rljob_workers.ddp import global_max, global_sum
 from rljob_workers.policy import (
     FloatRow,
     IdRow,
@@ -76,12 +78,16 @@ from rljob_workers.sharding import ShardingPlan, full_tensor
 
 __all__ = [
     "ADAM_EPS",
+    "MAX_METRICS",
+    "REDUCED_LOSS_METRICS",
     "VALUE_CLIP",
     "Experience",
     "Learner",
     "PreparedBatch",
+    "batch_metric_parts",
     "build_learner",
     "compute_policy_loss",
+    "reduce_metrics",
     "reward_at_last_token",
 ]
 
@@ -104,13 +110,18 @@ class Experience:
     """One rank's rows of a step, in contiguous groups of ``group_size``.
 
     ``behaviour_logprobs`` are the sampling engine's log-probs of the sampled tokens (the
-    tempered sampling distribution); ``scores`` what the advantages are computed from.
+    tempered sampling distribution); ``scores`` what the advantages are computed from;
+    ``versions_behind`` how many policy versions each row's sampler was behind the learner's
+    weights (None: all 0, the colocated case). Rows at 0 were sampled with the weights the
+    learner holds, so their behaviour and old log-probs differ only by the train/inference
+    mismatch (kernels, precision, weight-sync compression), which ``update`` reports.
     """
 
     prompt_ids: Sequence[IdRow]
     response_ids: Sequence[IdRow]
     behaviour_logprobs: Sequence[FloatRow]
     scores: Sequence[float]
+    versions_behind: Sequence[int] | None = None
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -128,6 +139,8 @@ class PreparedBatch:
     ref_logp: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    fresh: Tensor | None = None
+    """``[B]`` rows sampled with the learner's current weights (None: every row)."""
 
     @property
     def rows(self) -> int:
@@ -156,8 +169,9 @@ def compute_policy_loss(
 
     ``ppo-clip`` ignores the behaviour log-probs; ``decoupled-ppo`` clips around the old
     (proximal) policy and weights by ``exp(old - behaviour)``, leaving out tokens whose weight
-    passes ``BEHAVIOUR_WEIGHT_DROP``; ``tis`` truncates that weight at ``tis_cap``. The dual
-    clip applies to all three.
+    passes ``BEHAVIOUR_WEIGHT_DROP``; ``tis`` truncates that weight at ``tis_cap``; ``mis``
+    masks out tokens (or responses) whose weight leaves ``[mis_low, mis_high]``. The dual clip
+    applies to all four.
     """
     common: dict[str, Any] = {
         "clip_low": algorithm.clip_low,
@@ -166,6 +180,18 @@ def compute_policy_loss(
     }
     if algorithm.policy_loss == "decoupled-ppo":
         return decoupled_ppo_policy_loss(logp, old_logp, behaviour_logp, advantages, mask, **common)
+    if algorithm.policy_loss == "mis":
+        return mis_policy_loss(
+            logp,
+            old_logp,
+            behaviour_logp,
+            advantages,
+            mask,
+            low=algorithm.mis_low,
+            high=algorithm.mis_high,
+            level=algorithm.mis_level,
+            **common,
+        )
     if algorithm.policy_loss == "tis":
         return tis_policy_loss(
             logp, old_logp, behaviour_logp, advantages, mask, tis_cap=algorithm.tis_cap, **common
@@ -379,6 +405,10 @@ class Learner:
             return None
         mask = batch.response_mask
         behaviour = pad_rows(experience.behaviour_logprobs, mask.shape[1]).to(self.device) * mask
+        fresh = None
+        if experience.versions_behind is not None:
+            behind = torch.tensor(list(experience.versions_behind), device=self.device)
+            fresh = behind == 0
         scores = torch.tensor(list(experience.scores), dtype=torch.float32, device=self.device)
         penalty = None
         if ref_logp is not None and algo.kl_estimator not in LOSS_KL_ESTIMATORS:
@@ -403,6 +433,7 @@ class Learner:
                 ref_logp,
                 old_values,
                 returns,
+                fresh,
             )
         if penalty is not None:
             scores = scores - masked_sum(penalty, mask, dim=-1)
@@ -413,7 +444,9 @@ class Learner:
         )
         estimate = estimator(scores, group_size=self.group_size)
         advantages = broadcast_advantages_to_tokens(estimate, mask)
-        return PreparedBatch(batch, old_logp, behaviour, advantages, estimate, ref_logp)
+        return PreparedBatch(
+            batch, old_logp, behaviour, advantages, estimate, ref_logp, fresh=fresh
+        )
 
     def _global_moments(self, local: Tensor) -> Tensor:
         """``masked_moments`` summed over every rank (a collective when distributed)."""
@@ -439,9 +472,14 @@ class Learner:
         optimizer steps (fewer epochs, then fewer and larger minibatches), so no minibatch is
         trained more than ``k`` versions after the data was sampled.
 
-        Always present: ``optimizer_steps`` (this update's), ``tokens``. With rows also
-        ``advantage_var`` and ``behaviour_logprob_gap`` (mean ``|behaviour - old|`` log-prob:
-        0 up to numerics when the engine sampled with the learner's current weights).
+        Every value is the whole batch's, over all ranks (``reduce_metrics``): a rank reports
+        what the job learned, not its own shard. Always present: ``optimizer_steps`` (this
+        update's), ``tokens``. With rows anywhere also ``advantage_var`` (of the sequence
+        advantages) and ``behaviour_logprob_gap`` (mean ``|behaviour - old|`` log-prob over
+        every token, stale ones included); with rows sampled at the learner's weights the
+        train/inference mismatch on those tokens: ``logprob_mismatch_mean`` and ``_max``
+        (``|behaviour - old|``), ``logprob_mismatch_kl`` (k3 estimate of KL(behaviour || trainer))
+        and ``logprob_mismatch_tokens``.
         """
         epochs, minibatches = self.schedule(max_versions_behind)
         prepared = self.prepare(experience)
@@ -460,22 +498,11 @@ class Learner:
                         totals.setdefault(key, []).append(value)
         finally:
             self._eval()
-        summary = {key: statistics.fmean(values) for key, values in totals.items()}
+        local = {key: statistics.fmean(values) for key, values in totals.items()}
+        parts = batch_metric_parts(prepared)
+        summary = reduce_metrics(local, parts, distributed=self.distributed)
         summary["optimizer_steps"] = float(steps)
-        summary["tokens"] = 0.0
-        if prepared is not None:
-            summary.update(self._batch_metrics(prepared))
         return summary
-
-    def _batch_metrics(self, prepared: PreparedBatch) -> dict[str, float]:
-        mask = prepared.batch.response_mask
-        gap = (prepared.behaviour_logp - prepared.old_logp).abs()
-        sequence = prepared.sequence_advantages
-        return {
-            "advantage_var": float(sequence.var()) if sequence.numel() > 1 else 0.0,
-            "behaviour_logprob_gap": float(masked_mean(gap, mask)),
-            "tokens": float(mask.sum()),
-        }
 
     def schedule(self, max_versions_behind: int | None = None) -> tuple[int, int]:
         """``(epochs, minibatches)`` of an update, within ``max_versions_behind + 1`` steps."""
@@ -654,6 +681,112 @@ class Learner:
             modules["critic"] = self.critic
             optimizers["critic"] = self.critic_optimizer
         return modules, optimizers
+
+
+REDUCED_LOSS_METRICS = tuple(
+    sorted(
+        {"loss", "policy_loss", "entropy", "kl", "grad_norm", "value_loss", *_REPORTED_LOSS_METRICS}
+    )
+)
+"""The minibatch metrics ``reduce_metrics`` combines over ranks (each rank's mean weighted by its
+tokens)."""
+MAX_METRICS = frozenset({"logprob_mismatch_max", "is_weight_max", "grad_norm"})
+"""Metrics whose whole-batch value is the largest rank's, not a token-weighted mean."""
+_MISMATCH_MEANS = ("logprob_mismatch_mean", "logprob_mismatch_kl")
+
+
+def batch_metric_parts(prepared: PreparedBatch | None) -> dict[str, tuple[float, float]]:
+    """One rank's batch statistics as ``name -> (sum, count)`` (``max`` for ``MAX_METRICS``),
+    ready to add up over ranks: tokens, sequence-advantage moments, the behaviour gap and the
+    train/inference mismatch on the rows sampled at the learner's weights."""
+    if prepared is None:
+        return {}
+    mask = prepared.batch.response_mask
+    sequence = prepared.sequence_advantages.double()
+    rows = float(sequence.numel())
+    delta = prepared.old_logp - prepared.behaviour_logp
+    tokens = float(mask.sum())
+    parts = {
+        "tokens": (tokens, 1.0),
+        "_advantage_sum": (float(sequence.sum()), rows),
+        "_advantage_square_sum": (float((sequence * sequence).sum()), rows),
+        "behaviour_logprob_gap": (float(masked_sum(delta.abs(), mask)), tokens),
+    }
+    fresh_mask = mask if prepared.fresh is None else mask * prepared.fresh.unsqueeze(-1)
+    fresh_tokens = float(fresh_mask.sum())
+    if fresh_tokens:
+        log_ratio = torch.clamp(delta, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        k3 = torch.exp(log_ratio) - 1.0 - log_ratio  # samples from behaviour: KL(behav || old)
+        parts["logprob_mismatch_mean"] = (float(masked_sum(delta.abs(), fresh_mask)), fresh_tokens)
+        parts["logprob_mismatch_kl"] = (float(masked_sum(k3, fresh_mask)), fresh_tokens)
+        parts["logprob_mismatch_max"] = (float(delta.abs()[fresh_mask.bool()].max()), 1.0)
+        parts["logprob_mismatch_tokens"] = (fresh_tokens, 1.0)
+    return parts
+
+
+_REDUCED_KEYS = (
+    "tokens",
+    "_advantage_sum",
+    "_advantage_square_sum",
+    "behaviour_logprob_gap",
+    *_MISMATCH_MEANS,
+    "logprob_mismatch_max",
+    "logprob_mismatch_tokens",
+)
+
+
+def reduce_metrics(
+    local: dict[str, float],
+    parts: dict[str, tuple[float, float]],
+    *,
+    distributed: bool,
+) -> dict[str, float]:
+    """The whole batch's metrics from one rank's: minibatch means ``local`` (token-weighted by
+    the rank's tokens) and ``batch_metric_parts``; sums and counts are added over every rank,
+    ``MAX_METRICS`` take the largest (one all-reduce each when ``distributed``). Names outside
+    ``REDUCED_LOSS_METRICS`` pass through as this rank's."""
+    tokens = parts.get("tokens", (0.0, 0.0))[0]
+    names = REDUCED_LOSS_METRICS  # the same names on every rank, rows or not
+    sums: list[float] = []
+    for name in names:
+        weight = tokens if name in local else 0.0
+        sums += [local.get(name, 0.0) * weight, weight]
+    for name in _REDUCED_KEYS:
+        total, count = parts.get(name, (0.0, 0.0))
+        sums += [total if name not in MAX_METRICS else 0.0, count]
+    maxima = [parts.get("logprob_mismatch_max", (-math.inf, 0.0))[0]]
+    maxima += [local.get(name, -math.inf) for name in names if name in MAX_METRICS]
+    if distributed:
+        sums = global_sum(sums, distributed=True)
+        maxima = global_max(maxima, distributed=True)
+    out = {name: value for name, value in local.items() if name not in names}
+    for i, name in enumerate(names):
+        total, weight = sums[2 * i], sums[2 * i + 1]
+        if weight:
+            out[name] = total / weight
+    offset = 2 * len(names)
+    got = {
+        name: (sums[offset + 2 * i], sums[offset + 2 * i + 1])
+        for i, name in enumerate(_REDUCED_KEYS)
+    }
+    out["tokens"] = got["tokens"][0]
+    rows = got["_advantage_sum"][1]
+    if rows:
+        mean = got["_advantage_sum"][0] / rows
+        spread = got["_advantage_square_sum"][0] - rows * mean * mean
+        out["advantage_var"] = max(spread, 0.0) / (rows - 1) if rows > 1 else 0.0
+    for name in ("behaviour_logprob_gap", *_MISMATCH_MEANS):
+        total, count = got[name]
+        if count:
+            out[name] = total / count
+    if got["logprob_mismatch_tokens"][0]:
+        out["logprob_mismatch_tokens"] = got["logprob_mismatch_tokens"][0]
+        out["logprob_mismatch_max"] = maxima[0]
+    names_max = [name for name in names if name in MAX_METRICS]
+    for name, value in zip(names_max, maxima[1:], strict=True):
+        if name in out:
+            out[name] = value
+    return out
 
 
 def build_learner(config: WorkerConfig, *, pad_id: int, rank: int, world_size: int) -> Learner:

@@ -7,7 +7,8 @@ file the local runner tails for its live display and final report.
 
 A step record is a flat JSON object. Keys every runtime writes (others may be added):
 ``step``, ``policy_version``, ``reward_mean``, ``kl``, ``entropy``, ``clip_fraction``,
-``advantage_var``, ``tokens_per_s``, ``step_time_s``, ``policy_lag_ms``,
+``advantage_var``, ``logprob_mismatch_mean`` / ``_max`` / ``_kl`` (where rows were sampled at
+the learner's weights), ``tokens_per_s``, ``step_time_s``, ``policy_lag_ms``,
 ``policy_lag_versions``, ``time``; and the utilisation keys of ``rljob_workers.utilization``
 (``idle_fraction``, ``idle_<reason>``, ``accelerator_util`` and ``accelerator_util_std`` where
 NVML sees a GPU). The JSONL line also carries ``role``, ``rank`` and ``peak_rss_mb`` (the
@@ -60,6 +61,19 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "entropy": ("rljob_entropy", "Mean per-token policy entropy (nats)"),
     "clip_fraction": ("rljob_clip_fraction", "Fraction of tokens whose ratio was clipped"),
     "advantage_var": ("rljob_advantage_variance", "Variance of the sequence advantages"),
+    "logprob_mismatch_mean": (
+        "rljob_logprob_mismatch_mean",
+        "Train/inference mismatch: mean |rollout - trainer| log-prob (nats) on the same tokens "
+        "under the same weights",
+    ),
+    "logprob_mismatch_max": (
+        "rljob_logprob_mismatch_max",
+        "Train/inference mismatch: largest |rollout - trainer| log-prob of the step (nats)",
+    ),
+    "logprob_mismatch_kl": (
+        "rljob_logprob_mismatch_kl",
+        "Train/inference mismatch: k3 estimate of KL(rollout || trainer) per token (nats)",
+    ),
     "tokens_per_s": ("rljob_tokens_per_second", "Generated tokens per second of step time"),
     "policy_lag_ms": ("rljob_policy_lag_ms", "optimizer.step() to engine serving the weights"),
     "policy_lag_versions": ("rljob_policy_lag_versions", "Versions the samples lagged"),

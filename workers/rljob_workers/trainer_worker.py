@@ -25,7 +25,10 @@ rollouts achieve), ``trained_reward_mean`` (of the trained batch), ``staleness_h
 ``policy_lag_versions(_max)`` (versions behind at training time), ``lag_samples_ms`` (new
 policy-lag samples), ``dropped`` (cumulative, by reason), ``duplicates``, ``accepted``,
 ``buffer_size``, ``starving`` / ``wait_s``, ``is_weight_*`` (the off-policy correction),
-``behaviour_logprob_gap`` (mean ``|behaviour - proximal|`` log-prob), ``publish_ms``.
+``behaviour_logprob_gap`` (mean ``|behaviour - proximal|`` log-prob), ``logprob_mismatch_*``
+(the train/inference mismatch, over rows sampled at the weights the trainer holds: none when
+every row is stale), ``publish_ms``. Metrics of the update are the whole batch's, over every
+rank.
 """
 
 from __future__ import annotations
@@ -110,13 +113,17 @@ def _mean(values: Sequence[float]) -> float:
     return float(statistics.fmean(values)) if values else float("nan")
 
 
-def experience_of(rows: Sequence[Trajectory]) -> Experience:
-    """The learner's view of trajectories (contiguous groups)."""
+def experience_of(rows: Sequence[Trajectory], current_version: int | None = None) -> Experience:
+    """The learner's view of trajectories (contiguous groups); with ``current_version`` (the
+    version of the weights the learner holds) each row's versions behind it."""
     return Experience(
         prompt_ids=[t.prompt_ids for t in rows],
         response_ids=[t.response_ids for t in rows],
         behaviour_logprobs=[t.behaviour_logprobs for t in rows],
         scores=[t.reward for t in rows],
+        versions_behind=None
+        if current_version is None
+        else [max(0, current_version - t.policy_version) for t in rows],
     )
 
 
@@ -315,7 +322,8 @@ class TrainerWorker:
         publish: dict[str, Any] = {}
         if groups:
             metrics = self.learner.update(
-                experience_of(rows), seed=(self.config.seed * 1_000_003 + self.step) % 2**31
+                experience_of(rows, current),
+                seed=(self.config.seed * 1_000_003 + self.step) % 2**31,
             )
             metrics.pop("optimizer_steps")
         self.step += 1
@@ -324,6 +332,7 @@ class TrainerWorker:
             publish = self._publish(self.learner.last_step_wall)
         health: dict[str, Any] = {"step": self.step, "reward_mean": _mean(sampled_rewards)}
         health["entropy"] = metrics.get("entropy")
+        health.update({k: v for k, v in metrics.items() if k.startswith("logprob_mismatch_")})
         self.health.observe(health)
         checkpoint = self._maybe_checkpoint()
         self.health.describe_best(health)

@@ -38,7 +38,7 @@ def _on_policy_bounded(s: JsonObject) -> bool:
 
 _ON_POLICY_FIX = (
     " is on-policy; with topology disaggregated set spec.staleness.correction "
-    "(decoupledPPO|tis) and spec.staleness.maxVersions"
+    "(decoupledPPO|tis|mis) and spec.staleness.maxVersions"
 )
 
 
@@ -105,7 +105,7 @@ class _SpecCommon(SpecModel):
             rule="!(self.topology == 'disaggregated' && self.algorithm.name in ['ppo', 'grpo']) "
             "|| (self.staleness.correction != 'none' && has(self.staleness.maxVersions))",
             message="spec.algorithm: ppo and grpo are on-policy; with topology disaggregated "
-            "set spec.staleness.correction (decoupledPPO|tis) and spec.staleness.maxVersions",
+            "set spec.staleness.correction (decoupledPPO|tis|mis) and spec.staleness.maxVersions",
             message_expression=f"'spec.algorithm: ' + self.algorithm.name + '{_ON_POLICY_FIX}'",
             holds=lambda s: (
                 not (

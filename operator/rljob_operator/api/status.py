@@ -86,6 +86,17 @@ class CollapseStatus(StatusModel):
     count: int = Field(1, ge=0, description="Collapses seen in this run of the trainer.")
 
 
+class LogprobMismatchStatus(StatusModel):
+    """The train/inference mismatch: rollout-engine vs trainer log-probs of the same tokens
+    under the same weights (rows sampled at the trainer's current version)."""
+
+    step: int = Field(ge=0, description="Training step it was measured at.")
+    mean: float = Field(ge=0, description="Mean |rollout - trainer| log-prob per token (nats).")
+    max: float = Field(ge=0, description="Largest |rollout - trainer| log-prob (nats).")
+    kl: float = Field(description="k3 estimate of KL(rollout || trainer) per token (nats).")
+    tokens: int = Field(ge=0, description="Tokens it was measured on.")
+
+
 class KueueEviction(StatusModel):
     """Why Kueue last took the job's quota away."""
 
@@ -191,6 +202,12 @@ class RLJobStatus(StatusModel):
     )
     collapse: CollapseStatus | None = Field(
         None, description="The newest collapse of the reward or entropy (spec.collapse)."
+    )
+    logprob_mismatch: LogprobMismatchStatus | None = Field(
+        None,
+        description="The newest train/inference log-prob mismatch the trainer measured (kernels, "
+        "precision, weight-sync compression); see spec.staleness.correction for what corrects "
+        "it.",
     )
     exported_model: str | None = Field(
         None,

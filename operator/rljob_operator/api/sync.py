@@ -7,10 +7,36 @@ from typing import Literal
 
 from pydantic import Field
 
-from rljob_operator.api.cel import SpecModel
+from rljob_operator.api.cel import SpecModel, _nested
 
-StalenessCorrection = Literal["none", "decoupledPPO", "tis"]
+StalenessCorrection = Literal["none", "decoupledPPO", "tis", "mis"]
+MaskLevel = Literal["token", "sequence"]
 WeightSyncMethod = Literal["inProcess", "file", "http", "nccl"]
+
+
+class MaskedImportanceSampling(SpecModel):
+    """Masked importance sampling (``correction: mis``): the band of trainer/behaviour ratios a
+    token (or a sequence) must fall in to be trained on."""
+
+    low: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="Mask out tokens (sequences) whose ratio trainer/behaviour probability is "
+        "below this.",
+    )
+    high: float = Field(
+        2.0,
+        gt=1,
+        le=1000,
+        description="Mask out tokens (sequences) whose ratio trainer/behaviour probability is "
+        "above this.",
+    )
+    level: MaskLevel = Field(
+        "token",
+        description="token: each token by its own ratio; sequence: a whole response by the "
+        "geometric mean of its tokens' ratios (the same band for any length).",
+    )
 
 
 class Staleness(SpecModel):
@@ -32,9 +58,13 @@ class Staleness(SpecModel):
     )
     correction: StalenessCorrection = Field(
         "none",
-        description="Off-policy correction for stale samples: none, decoupledPPO (clip "
-        "against a proximal policy, weight by behaviour ratio) or tis (truncated importance "
-        "sampling).",
+        description="Off-policy correction for stale samples and the rollout/trainer "
+        "mismatch: none, decoupledPPO (clip against a proximal policy, weight by behaviour "
+        "ratio), tis (truncated importance sampling) or mis (masked importance sampling: "
+        "tokens whose ratio leaves spec.staleness.mis's band are not trained on).",
+    )
+    mis: MaskedImportanceSampling = _nested(
+        MaskedImportanceSampling, "The band of correction: mis (unused by the others)."
     )
 
 

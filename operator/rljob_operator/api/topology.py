@@ -12,8 +12,8 @@ def resolve_topology(spec: RLJobSpec) -> tuple[ResolvedTopology, str]:
 
     1. ``spec.topology`` colocated or disaggregated: used as written.
     2. auto, on-policy algorithm (ppo, grpo) without a staleness bound (``staleness.correction``
-       decoupledPPO|tis *and* ``staleness.maxVersions``): colocated, the only topology that keeps
-       policy lag near zero.
+       decoupledPPO|tis|mis *and* ``staleness.maxVersions``): colocated, the only topology that
+       keeps policy lag near zero.
     3. auto, ``objective: utilization`` or ``task.longChainReasoning``, and an algorithm that
        tolerates stale data (dapo, or a staleness bound as in 2): disaggregated, so long or
        uneven generations keep the rollout GPUs busy while trainers train.

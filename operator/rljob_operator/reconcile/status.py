@@ -16,6 +16,7 @@ from rljob_operator.reconcile.shared import EventSpec, Observed, _Pass, _pod_pha
 from rljob_workers.config import (
     SCHEMA_KEY,
     SCHEMA_VERSION,
+    MismatchReport,
     Progress,
     schema_mismatch,
     schema_version_of,
@@ -153,6 +154,8 @@ def _report_progress(
         _best_checkpoint_reported(work, lead, spec)
         if lead.collapse is not None:
             _collapse_reported(work, lead)
+        if lead.logprob_mismatch is not None:
+            work.status["logprobMismatch"] = _mismatch_status(lead.logprob_mismatch)
     lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
     if lags:
         work.status["policyLagMs"] = round(max(lags), 3)
@@ -168,6 +171,17 @@ def _report_progress(
         work.status["utilization"] = utilization
     else:
         work.status.pop("utilization", None)
+
+
+def _mismatch_status(report: MismatchReport) -> dict[str, Any]:
+    """status.logprobMismatch from a report (4 significant digits)."""
+    return {
+        "step": report.step,
+        "mean": float(f"{report.mean:.4g}"),
+        "max": float(f"{report.max:.4g}"),
+        "kl": float(f"{report.kl:.4g}"),
+        "tokens": report.tokens,
+    }
 
 
 def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:

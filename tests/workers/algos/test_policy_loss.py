@@ -1,4 +1,4 @@
-"""Policy losses: PPO / DAPO clip-higher, dual clip, decoupled PPO, TIS.
+"""Policy losses: PPO / DAPO clip-higher, dual clip, decoupled PPO, TIS, MIS.
 
 Aspects under test:
 - per-token values equal the hand-computed surrogate, padding gives 0;
@@ -9,6 +9,8 @@ Aspects under test:
 - dual clip bounds negative-advantage tokens at -c * A;
 - metrics: clip fraction, ratio stats, approx KL, IS-weight stats;
 - decoupled PPO reduces to PPO when proximal == behaviour; TIS weight is capped and detached;
+- MIS masks tokens (or whole responses, by the geometric mean of their weights) whose weight
+  leaves [low, high] and weights the rest, by hand-computed values; the band's edges are kept;
 - invalid hyper-parameters fail with a clear error.
 """
 
@@ -20,6 +22,7 @@ import torch
 from rljob_workers.algos import (
     aggregate_loss,
     decoupled_ppo_policy_loss,
+    mis_policy_loss,
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
@@ -233,6 +236,66 @@ def test_decoupled_ppo_behaviour_weight_above_cap_drops_token() -> None:
     torch.testing.assert_close(logp.grad, f64([[0.0, -1.0]]))
     assert metrics["is_weight_dropped_fraction"] == pytest.approx(0.5)
     assert metrics["is_weight_max"] == pytest.approx(1.0)
+
+
+def _weighted(weights: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """old = -1 everywhere, behaviour = old - log(w), logp = old (ratio 1)."""
+    old = torch.full((len(weights), len(weights[0])), -1.0, dtype=torch.float64)
+    behav = old - torch.log(f64(weights))
+    return old.clone().requires_grad_(), old, behav
+
+
+def test_mis_token_level_masks_weights_outside_the_band_by_hand() -> None:
+    logp, old, behav = _weighted([[3.0, 0.4, 1.5, 0.5]])
+    advantages, mask = f64([[1.0, 1.0, 1.0, -2.0]]), f64([[1, 1, 1, 1]])
+
+    loss, metrics = mis_policy_loss(
+        logp, old, behav, advantages, mask, clip_low=0.2, clip_high=0.2, low=0.5, high=2.0
+    )
+    loss.sum().backward()
+
+    # kept: w = 1.5 (A 1) and w = 0.5 (on the edge, A -2): -w A r = -1.5, 1.0; masked: 0
+    torch.testing.assert_close(loss.detach(), f64([[0.0, 0.0, -1.5, 1.0]]))
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, f64([[0.0, 0.0, -1.5, 1.0]]))
+    assert metrics["is_weight_dropped_fraction"] == pytest.approx(0.5)
+    assert metrics["is_weight_mean"] == pytest.approx(1.0)  # over the kept tokens
+    assert metrics["is_weight_max"] == pytest.approx(1.5)
+
+
+def test_mis_sequence_level_masks_whole_responses_by_geometric_mean() -> None:
+    # row 0: weights 4 and 1/4, geometric mean 1: kept, each token keeps its own weight;
+    # row 1: 3 and 3: masked whole; row 2: 1.2 and padding (its 100 does not count): kept
+    logp, old, behav = _weighted([[4.0, 0.25], [3.0, 3.0], [1.2, 100.0]])
+    advantages, mask = f64([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]), f64([[1, 1], [1, 1], [1, 0]])
+
+    loss, metrics = mis_policy_loss(
+        logp, old, behav, advantages, mask,
+        clip_low=0.2, clip_high=0.2, low=0.5, high=2.0, level="sequence",
+    )  # fmt: skip
+    token, _ = mis_policy_loss(
+        logp, old, behav, advantages, mask, clip_low=0.2, clip_high=0.2, low=0.5, high=2.0
+    )
+
+    torch.testing.assert_close(loss.detach(), f64([[-4.0, -0.25], [0.0, 0.0], [-1.2, 0.0]]))
+    assert metrics["is_weight_dropped_fraction"] == pytest.approx(2 / 5)
+    # the token level masks 4, 1/4, 3 and 3 instead
+    torch.testing.assert_close(token.detach(), f64([[0.0, 0.0], [0.0, 0.0], [-1.2, 0.0]]))
+
+
+def test_mis_with_equal_logprobs_is_ppo_clip_and_bad_bands_raise() -> None:
+    torch.manual_seed(2)
+    logp, old = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    advantages, mask = torch.randn(3, 5, dtype=torch.float64), torch.ones(3, 5, dtype=torch.float64)
+    mis, _ = mis_policy_loss(
+        logp, old, old, advantages, mask, clip_low=0.2, clip_high=0.28, low=0.5, high=2.0
+    )
+    ppo, _ = ppo_clip_policy_loss(logp, old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    torch.testing.assert_close(mis, ppo)
+    for low, high in ((0.0, 2.0), (1.0, 2.0), (0.5, 1.0)):
+        with pytest.raises(ValueError, match="0 < low < 1 < high"):
+            mis_policy_loss(logp, old, old, advantages, mask, clip_low=0.2, clip_high=0.2,
+                            low=low, high=high)  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_name", ["decoupled-ppo", "tis"])

@@ -28,12 +28,12 @@ def test_registry_known_names_resolve_to_functions() -> None:
     assert get_advantage_estimator("gae") is compute_gae_advantages
     assert get_advantage_estimator("grpo") is compute_grpo_advantages
     assert get_advantage_estimator("dr-grpo") is compute_dr_grpo_advantages
-    assert set(POLICY_LOSSES) == {"ppo-clip", "decoupled-ppo", "tis"}
+    assert set(POLICY_LOSSES) == {"ppo-clip", "decoupled-ppo", "tis", "mis"}
     assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "dr-grpo"}
 
 
 def test_get_policy_loss_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="valid names: decoupled-ppo, ppo-clip, tis"):
+    with pytest.raises(ValueError, match="valid names: decoupled-ppo, mis, ppo-clip, tis"):
         get_policy_loss("ppo")
 
 

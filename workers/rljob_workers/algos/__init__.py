@@ -32,6 +32,7 @@ from rljob_workers.algos.kl import (
 )
 from rljob_workers.algos.policy_loss import (
     decoupled_ppo_policy_loss,
+    mis_policy_loss,
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mis_policy_loss",
     "overlong_reward_penalty",
     "ppo_clip_policy_loss",
     "tis_policy_loss",

@@ -1,4 +1,4 @@
-"""Clipped policy-gradient losses: PPO / DAPO clip-higher, dual clip, decoupled PPO and TIS.
+"""Clipped policy-gradient losses: PPO / DAPO clip-higher, dual clip, decoupled PPO, TIS and MIS.
 
 Shapes: ``B`` sequences, ``T`` response token positions; every tensor argument is ``[B, T]``
 (log-probabilities of the sampled tokens, token-level advantages, the response mask).
@@ -16,6 +16,7 @@ from rljob_workers.algos.stats import check_same_shape, masked_mean
 __all__ = [
     "BEHAVIOUR_WEIGHT_DROP",
     "decoupled_ppo_policy_loss",
+    "mis_policy_loss",
     "ppo_clip_policy_loss",
     "tis_policy_loss",
 ]
@@ -133,6 +134,8 @@ def decoupled_ppo_policy_loss(
     clip_high: float,
     max_is_weight: float | None = None,
     drop_above: float | None = BEHAVIOUR_WEIGHT_DROP,
+    drop_below: float | None = None,
+    sequence_level: bool = False,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Decoupled PPO (Hilton et al., 2022): clip around the proximal policy, correct to behaviour.
@@ -143,8 +146,10 @@ def decoupled_ppo_policy_loss(
     (capped at ``max_is_weight`` when given):
     ``loss = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``, with the surrogate
     dual-clipped first when ``dual_clip`` is set. Tokens whose raw weight exceeds
-    ``drop_above`` are left out (loss and gradient 0). When ``prox_logp == behav_logp`` this is
-    exactly ``ppo_clip_policy_loss``.
+    ``drop_above`` (or fall below ``drop_below``) are left out (loss and gradient 0); with
+    ``sequence_level`` the whole response is left out or kept, by the geometric mean of its
+    tokens' raw weights. When ``prox_logp == behav_logp`` this is exactly
+    ``ppo_clip_policy_loss``.
 
     Args:
         logp: ``[B, T]`` current-policy log-probs (differentiable).
@@ -156,6 +161,9 @@ def decoupled_ppo_policy_loss(
         clip_high: upper clip ``>= 0``.
         max_is_weight: cap on ``w`` (> 0), or None for no cap.
         drop_above: leave out tokens with a larger raw weight (> 0), or None to keep all.
+        drop_below: leave out tokens with a smaller raw weight (> 0), or None to keep all.
+        sequence_level: apply ``drop_above``/``drop_below`` to each row's geometric-mean
+            weight ``exp(mean(prox_logp - behav_logp))`` over its valid tokens.
         dual_clip: dual-clip constant ``c > 1`` (as in ``ppo_clip_policy_loss``), or None.
 
     Returns:
@@ -167,7 +175,8 @@ def decoupled_ppo_policy_loss(
         logp=logp, prox_logp=prox_logp, behav_logp=behav_logp, advantages=advantages, mask=mask
     )
     _check_clip(clip_low, clip_high)
-    for name, value in (("max_is_weight", max_is_weight), ("drop_above", drop_above)):
+    bounds = (("max_is_weight", max_is_weight), ("drop_above", drop_above))
+    for name, value in (*bounds, ("drop_below", drop_below)):
         if value is not None and value <= 0.0:
             raise ValueError(f"{name} must be > 0 (or None), got {value}")
     prox_logp, behav_logp = prox_logp.detach(), behav_logp.detach()
@@ -177,9 +186,9 @@ def decoupled_ppo_policy_loss(
     surrogate, dual_clipped = _apply_dual_clip(surrogate, advantages, dual_clip)
     raw_weight = _ratio(prox_logp, behav_logp)
     weight = raw_weight if max_is_weight is None else torch.clamp(raw_weight, max=max_is_weight)
-    dropped = torch.zeros_like(mask, dtype=torch.bool)
-    if drop_above is not None:
-        dropped = mask.to(torch.bool) & (raw_weight > drop_above)
+    dropped = mask.to(torch.bool) & _outside(
+        raw_weight, prox_logp - behav_logp, mask, drop_below, drop_above, sequence_level
+    )
     kept = torch.where(dropped, torch.zeros_like(mask), mask)
     metrics = _ratio_metrics(ratio.detach(), (logp - prox_logp).detach(), kept)
     metrics["clip_fraction"] = float(masked_mean(clipped.to(logp.dtype), kept))
@@ -187,6 +196,29 @@ def decoupled_ppo_policy_loss(
     metrics.update(_weight_metrics(raw_weight, weight, kept))
     metrics["is_weight_dropped_fraction"] = float(masked_mean(dropped.to(logp.dtype), mask))
     return _zero_padding(weight * surrogate, kept), metrics
+
+
+def _outside(
+    weight: Tensor,
+    log_weight: Tensor,
+    mask: Tensor,
+    below: float | None,
+    above: float | None,
+    sequence_level: bool,
+) -> Tensor:
+    """Where the weight leaves ``[below, above]`` (per token, or per row by its geometric mean,
+    broadcast over the row's tokens)."""
+    if sequence_level:
+        tokens = mask.sum(dim=-1).clamp(min=1.0)
+        mean_log = (log_weight * mask).sum(dim=-1) / tokens
+        weight = torch.exp(torch.clamp(mean_log, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        weight = weight.unsqueeze(-1).expand_as(mask)
+    outside = torch.zeros_like(mask, dtype=torch.bool)
+    if above is not None:
+        outside |= weight > above
+    if below is not None:
+        outside |= weight < below
+    return outside
 
 
 def _weight_metrics(raw_weight: Tensor, weight: Tensor, mask: Tensor) -> dict[str, float]:
@@ -244,5 +276,54 @@ def tis_policy_loss(
         clip_high=clip_high,
         max_is_weight=tis_cap,
         drop_above=None,
+        dual_clip=dual_clip,
+    )
+
+
+def mis_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    low: float,
+    high: float,
+    level: str = "token",
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Masked importance sampling (MIS): PPO clip weighted by ``w = exp(old - behav)``, with the
+    tokens whose ``w`` leaves ``[low, high]`` masked out instead of truncated (TIS) or kept.
+
+    ``level="sequence"`` masks whole responses by the geometric mean of their tokens' weights
+    (``exp`` of the mean log-ratio), so one band means the same for short and long answers.
+    Masked tokens give no loss and no gradient; ``is_weight_dropped_fraction`` counts them.
+
+    Args:
+        logp, old_logp, behav_logp, advantages, mask: as ``tis_policy_loss``.
+        clip_low, clip_high, dual_clip: as ``ppo_clip_policy_loss``.
+        low: ``0 < low < 1``; high: ``> 1``.
+        level: ``token`` or ``sequence``.
+
+    Returns:
+        ``(per_token_loss [B, T], metrics)`` as ``decoupled_ppo_policy_loss``.
+    """
+    if not 0.0 < low < 1.0 < high:
+        raise ValueError(f"mis needs 0 < low < 1 < high, got low={low} high={high}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"mis level must be token or sequence, got {level!r}")
+    return decoupled_ppo_policy_loss(
+        logp,
+        old_logp,
+        behav_logp,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        drop_above=high,
+        drop_below=low,
+        sequence_level=level == "sequence",
         dual_clip=dual_clip,
     )

@@ -14,6 +14,7 @@ from rljob_workers.algos.advantages import (
 )
 from rljob_workers.algos.policy_loss import (
     decoupled_ppo_policy_loss,
+    mis_policy_loss,
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
@@ -32,6 +33,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo-clip": ppo_clip_policy_loss,
     "decoupled-ppo": decoupled_ppo_policy_loss,
     "tis": tis_policy_loss,
+    "mis": mis_policy_loss,
 }
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {
