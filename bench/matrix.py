@@ -111,9 +111,17 @@ def write_long_task(path: Path, prompts: int = 128, seed: int = 0) -> Path:
 
 
 def cell_config(
-    cell: Cell, *, seed: int, steps: int, model: Path, task: str, dataset: Path | None
+    cell: Cell,
+    *,
+    seed: int,
+    steps: int,
+    model: Path,
+    task: str,
+    dataset: Path | None,
+    overrides: dict[str, dict[str, Any]] | None = None,
 ) -> Any:
-    """The worker config of a cell, through the operator's own API and builders."""
+    """The worker config of a cell, through the operator's own API and builders; ``overrides``
+    are merged into the spec's sections (``{"weightSync": {"compression": "bf16"}}``)."""
     from rljob_operator.api import parse_rljob
     from rljob_operator.builders import JobRef, build_worker_config
 
@@ -162,6 +170,8 @@ def cell_config(
             "seed": seed,
         },
     }
+    for section, values in (overrides or {}).items():
+        raw["spec"][section] = {**raw["spec"].get(section, {}), **values}
     job = parse_rljob(raw)
     topology: Any = cell.topology
     return build_worker_config(job.spec, JobRef("matrix", "default", ""), topology)
@@ -188,11 +198,21 @@ def measure_run(
     dataset: Path | None,
     workdir: Path,
     timeout_s: float,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    algorithm: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One real local run of a cell; its numbers."""
+    """One real local run of a cell; its numbers. ``overrides`` go into the spec
+    (``cell_config``), ``algorithm`` into the rendered worker config's algorithm section
+    (settings the RLJob API does not expose, e.g. ``old_logprobs``)."""
     from rljob_workers.local_runner import run_local
 
-    config = cell_config(cell, seed=seed, steps=steps, model=model, task=task, dataset=dataset)
+    config = cell_config(
+        cell, seed=seed, steps=steps, model=model, task=task, dataset=dataset, overrides=overrides
+    )
+    if algorithm:
+        config = config.model_copy(
+            update={"algorithm": config.algorithm.model_copy(update=algorithm)}
+        )
     load_before = os.getloadavg()[0]
     processes: Any = {"actor": 1} if cell.topology == "colocated" else {"rollout": 1, "trainer": 1}
     started = time.monotonic()
@@ -249,7 +269,34 @@ def measure_run(
         },
         "idle_fraction": idle,
         "load_1min_before_after": load,
+        "reward_curve": [round(float(r["reward_mean"]), 4) for r in records],
+        "per_step_means": _per_step_means(records),
     }
+
+
+PER_STEP_KEYS = (
+    "logprob_mismatch_mean",
+    "logprob_mismatch_max",
+    "logprob_mismatch_kl",
+    "behaviour_logprob_gap",
+    "is_weight_mean",
+    "is_weight_max",
+    "is_weight_capped_fraction",
+    "is_weight_dropped_fraction",
+    "clip_fraction",
+    "approx_kl",
+    "entropy",
+)
+
+
+def _per_step_means(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean over the run's steps of each ``PER_STEP_KEYS`` value the steps reported."""
+    out: dict[str, float] = {}
+    for key in PER_STEP_KEYS:
+        values = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+        if values:
+            out[key] = statistics.fmean(values)
+    return out
 
 
 def summarize_cell(cell: Cell, runs: list[dict[str, Any]], task: str) -> dict[str, Any]:

@@ -359,6 +359,7 @@ HASH_NEUTRAL: dict[str, object] = {
     "trainer.cpu_offload": False,
     "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
     **{f"collapse.{k}": v for k, v in CollapseConfig().model_dump(mode="json").items()},
+    "algorithm.old_logprobs": "recompute",
     "algorithm.mis_low": 0.5,
     "algorithm.mis_high": 2.0,
     "algorithm.mis_level": "token",

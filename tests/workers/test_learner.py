@@ -424,3 +424,25 @@ def test_update_starts_at_ratio_one_with_dropout_in_the_model_config(tmp_path):
 
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["clip_fraction"] == 0.0
+
+
+def test_naive_old_logprobs_clip_around_the_behaviour_and_keep_the_mismatch(tiny_model, tmp_path):
+    """``old_logprobs: behaviour`` (AReaL's naive PPO, bench.corrections' baseline): the ratio is
+    taken against the sampler's log-probs; the mismatch metric still compares the trainer's."""
+    experience = _versioned(LONG, 0)
+    naive = Learner(
+        _config(tiny_model, tmp_path, old_logprobs="behaviour"),
+        PolicyModel.from_pretrained(tiny_model),
+        pad_id=PAD,
+    )
+    recompute = Learner(
+        _config(tiny_model, tmp_path), PolicyModel.from_pretrained(tiny_model), pad_id=PAD
+    )
+    ours, theirs = naive.prepare(experience), recompute.prepare(experience)
+    assert ours is not None and theirs is not None
+    torch.testing.assert_close(ours.old_logp, ours.behaviour_logp)
+    assert not torch.allclose(theirs.old_logp, theirs.behaviour_logp)
+    first = naive.update(experience, seed=0)
+    second = recompute.update(experience, seed=0)
+    assert first["logprob_mismatch_mean"] == pytest.approx(second["logprob_mismatch_mean"])
+    assert first["approx_kl"] > 0.1 > second["approx_kl"]  # ratios far from 1 vs. at 1

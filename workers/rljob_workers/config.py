@@ -83,6 +83,13 @@ class AlgorithmConfig(_Model):
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     tis_cap: float = 2.0
+    old_logprobs: Literal["recompute", "behaviour"] = Field(
+        "recompute",
+        description="recompute: the learner scores the rows with its current weights before the "
+        "update (the proximal policy; PPO clips around it); behaviour: PPO clips around the "
+        "rollout engine's log-probs (naive PPO in AReaL's terms, verl's bypass mode). Not in "
+        "the RLJob API: bench.corrections compares the two",
+    )
     mis_low: float = Field(0.5, description="mis: mask tokens whose weight is below this")
     mis_high: float = Field(2.0, description="mis: mask tokens whose weight is above this")
     mis_level: Literal["token", "sequence"] = Field(

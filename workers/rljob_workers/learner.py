@@ -141,6 +141,8 @@ class PreparedBatch:
     returns: Tensor | None = None
     fresh: Tensor | None = None
     """``[B]`` rows sampled with the learner's current weights (None: every row)."""
+    scored_logp: Tensor | None = None
+    """The learner's own log-probs when ``old_logp`` is something else (None: ``old_logp``)."""
 
     @property
     def rows(self) -> int:
@@ -405,6 +407,9 @@ class Learner:
             return None
         mask = batch.response_mask
         behaviour = pad_rows(experience.behaviour_logprobs, mask.shape[1]).to(self.device) * mask
+        scored = old_logp  # the trainer's own log-probs, for the mismatch metrics
+        if algo.old_logprobs == "behaviour":  # naive PPO: clip around the sampler
+            old_logp = behaviour.clone()
         fresh = None
         if experience.versions_behind is not None:
             behind = torch.tensor(list(experience.versions_behind), device=self.device)
@@ -434,6 +439,7 @@ class Learner:
                 old_values,
                 returns,
                 fresh,
+                scored,
             )
         if penalty is not None:
             scores = scores - masked_sum(penalty, mask, dim=-1)
@@ -445,7 +451,14 @@ class Learner:
         estimate = estimator(scores, group_size=self.group_size)
         advantages = broadcast_advantages_to_tokens(estimate, mask)
         return PreparedBatch(
-            batch, old_logp, behaviour, advantages, estimate, ref_logp, fresh=fresh
+            batch,
+            old_logp,
+            behaviour,
+            advantages,
+            estimate,
+            ref_logp,
+            fresh=fresh,
+            scored_logp=scored,
         )
 
     def _global_moments(self, local: Tensor) -> Tensor:
@@ -704,7 +717,8 @@ def batch_metric_parts(prepared: PreparedBatch | None) -> dict[str, tuple[float,
     mask = prepared.batch.response_mask
     sequence = prepared.sequence_advantages.double()
     rows = float(sequence.numel())
-    delta = prepared.old_logp - prepared.behaviour_logp
+    scored = prepared.old_logp if prepared.scored_logp is None else prepared.scored_logp
+    delta = scored - prepared.behaviour_logp
     tokens = float(mask.sum())
     parts = {
         "tokens": (tokens, 1.0),
