@@ -75,11 +75,14 @@ def _mismatch_runs(
     return rows
 
 
-def _cell(correction: str) -> tuple[Cell, dict[str, Any]]:
+def _cell(
+    correction: str, algorithm: str = "grpo", max_versions: int = MAX_VERSIONS
+) -> tuple[Cell, dict[str, Any]]:
     """The matrix cell and the worker-config algorithm overrides of a correction."""
     if correction == "naive":
-        return Cell("grpo", "disaggregated", MAX_VERSIONS, "none"), {"old_logprobs": "behaviour"}
-    return Cell("grpo", "disaggregated", MAX_VERSIONS, correction), {}
+        cell = Cell(algorithm, "disaggregated", max_versions, "none")
+        return cell, {"old_logprobs": "behaviour"}
+    return Cell(algorithm, "disaggregated", max_versions, correction), {}
 
 
 def _correction_runs(
@@ -91,13 +94,15 @@ def _correction_runs(
     task: str,
     dataset: Path | None,
     timeout_s: float,
+    algorithm: str = "grpo",
+    max_versions: int = MAX_VERSIONS,
 ) -> list[dict[str, Any]]:
     arms: list[tuple[str, Cell, dict[str, Any]]] = [
-        ("colocated", Cell("grpo", "colocated", None, "none"), {})
+        ("colocated", Cell(algorithm, "colocated", None, "none"), {})
     ]
-    arms += [(c, *_cell(c)) for c in CORRECTIONS]
+    arms += [(c, *_cell(c, algorithm, max_versions)) for c in CORRECTIONS]
     rows = []
-    for name, cell, algorithm in arms:
+    for name, cell, overrides in arms:
         runs = []
         for seed in range(seeds):
             runs.append(
@@ -110,7 +115,7 @@ def _correction_runs(
                     dataset=dataset,
                     workdir=workdir / f"{name}-seed{seed}",
                     timeout_s=timeout_s,
-                    algorithm=algorithm,
+                    algorithm=overrides,
                 )
             )
             print(f"{name} seed {seed}: {_fmt_run(runs[-1])}", flush=True)
@@ -178,8 +183,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     if result.get("corrections"):
         lines += [
-            f"Corrections, GRPO, task {result['task']}, disaggregated maxVersions "
-            f"{MAX_VERSIONS} vs colocated, {result['steps']} steps x {result['seeds']} seeds:",
+            f"Corrections, {result.get('algorithm', 'grpo').upper()}, task {result['task']}, "
+            f"disaggregated maxVersions {result.get('max_versions', MAX_VERSIONS)} vs colocated, "
+            f"{result['steps']} steps x {result['seeds']} seeds:",
             "",
             "| arm | final reward (mean ± sd) | per seed | lag (versions) | IS weight mean | "
             "masked / dropped | capped | clip fraction |",
@@ -217,7 +223,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(range(1, width + 1), mean, style, label=row["arm"])
         ax.set_xlabel("step")
         ax.set_ylabel("reward (mean over seeds)")
-        ax.set_title(f"GRPO, maxVersions {MAX_VERSIONS}: corrections vs colocated")
+        ax.set_title(
+            f"{result.get('algorithm', 'grpo').upper()}, maxVersions "
+            f"{result.get('max_versions', MAX_VERSIONS)}: corrections vs colocated"
+        )
         if result.get("corrections"):
             ax.legend(fontsize=8)
         ax = axes[1]
@@ -239,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--mismatch-steps", type=int, default=12)
     parser.add_argument("--task", choices=("copy", "long"), default="copy")
+    parser.add_argument("--algorithm", choices=("grpo", "dapo", "ppo"), default="grpo")
+    parser.add_argument("--max-versions", type=int, default=MAX_VERSIONS)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="", help="suffix of the result files")
@@ -257,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "seeds": args.seeds,
         "mismatch_steps": args.mismatch_steps,
-        "max_versions": MAX_VERSIONS,
+        "max_versions": args.max_versions,
+        "algorithm": args.algorithm,
     }
     with tempfile.TemporaryDirectory(prefix="rljob-corrections-") as tmp:
         workdir = Path(tmp)
@@ -274,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 task=args.task,
                 dataset=dataset,
                 timeout_s=args.timeout,
+                algorithm=args.algorithm,
+                max_versions=args.max_versions,
             )
     result["wall_time_s"] = round(time.monotonic() - started, 1)
     out = Path(args.out)

@@ -1,7 +1,7 @@
 """The algorithm × topology matrix, measured on the tiny model (prints a table, never pass/fail).
 
 Cells: {ppo, grpo, dr-grpo, dapo} × {colocated; disaggregated with maxVersions 1, 2, 4} ×
-{correction none, tis, decoupledPPO} (colocated runs with correction none: it is on-policy).
+{correction none, tis, decoupledPPO, mis} (colocated runs with correction none: it is on-policy).
 The combinations the operator rejects (ppo, grpo, dr-grpo disaggregated without a correction)
 are run too, with the validation bypassed here only: the spec is validated as colocated and the
 worker config rendered for the disaggregated topology (``builders.build_worker_config`` takes
@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 ALGORITHMS = ("ppo", "grpo", "dr-grpo", "dapo")
 MAX_VERSIONS = (1, 2, 4)
-CORRECTIONS = ("none", "tis", "decoupledPPO")
+CORRECTIONS = ("none", "tis", "decoupledPPO", "mis")
 THRESHOLD = {"copy": 0.5, "long": 0.5}
 SMOOTH = 3
 

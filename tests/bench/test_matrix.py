@@ -22,7 +22,7 @@ from rljob_operator.api import SpecError, parse_rljob
 
 def test_all_cells_covers_the_matrix_and_marks_rejected_pairings() -> None:
     cells = all_cells()
-    assert len(cells) == 4 * (1 + 3 * 3)
+    assert len(cells) == 4 * (1 + 3 * 4)
     rejected = {c.name for c in cells if not c.allowed}
     assert rejected == {
         f"{a}/disagg-v{v}/none" for a in ("ppo", "grpo", "dr-grpo") for v in (1, 2, 4)

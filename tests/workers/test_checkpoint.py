@@ -62,6 +62,7 @@ def _save(root, step, module, optimizer, keep=3):
 
 def test_checkpoint_roundtrip_restores_weights_optimizer_rng_and_cursor(tmp_path):
     module, optimizer = _trained_linear(0)
+    optimizer.step()  # two steps: AdamW's own step count (its bias correction) is 2
     random.seed(5)
     np.random.seed(5)
     path = _save(tmp_path, 7, module, optimizer)
@@ -76,6 +77,9 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_rng_and_cursor(tmp_path
         assert torch.equal(mine, theirs)
     saved_moments = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], saved_moments)
+    # the optimizer's step count is part of its state: a resumed run's bias correction goes on
+    # from 2 (issue 26 item 7: the learner keeps no step counter of its own beside it)
+    assert float(fresh_optimizer.state_dict()["state"][0]["step"]) == 2.0
     draws = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(draws[0], expected_draws[0]) and draws[1:] == expected_draws[1:]
 

@@ -329,7 +329,6 @@ class Learner:
                 critic.parameters(), lr=algo.critic_learning_rate, eps=ADAM_EPS, weight_decay=0.0
             )
         )
-        self.optimizer_steps = 0
         self.last_step_perf = time.perf_counter()
         self.last_step_wall = time.time()
         self._dummy = self._prepare_dummy()
@@ -596,7 +595,6 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.algorithm.max_grad_norm)
         )
         self.optimizer.step()
-        self.optimizer_steps += 1
         self.last_step_perf, self.last_step_wall = time.perf_counter(), time.time()
         if empty:
             return {}
