@@ -96,11 +96,13 @@ def _correction_runs(
     timeout_s: float,
     algorithm: str = "grpo",
     max_versions: int = MAX_VERSIONS,
+    only: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     arms: list[tuple[str, Cell, dict[str, Any]]] = [
         ("colocated", Cell(algorithm, "colocated", None, "none"), {})
     ]
     arms += [(c, *_cell(c, algorithm, max_versions)) for c in CORRECTIONS]
+    arms = [arm for arm in arms if not only or arm[0] in only]
     rows = []
     for name, cell, overrides in arms:
         runs = []
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", choices=("copy", "long"), default="copy")
     parser.add_argument("--algorithm", choices=("grpo", "dapo", "ppo"), default="grpo")
     parser.add_argument("--max-versions", type=int, default=MAX_VERSIONS)
+    parser.add_argument(
+        "--arms", default="", help="comma-separated arms (colocated, none, tis, ...; default all)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--tag", default="", help="suffix of the result files")
@@ -288,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout,
                 algorithm=args.algorithm,
                 max_versions=args.max_versions,
+                only=tuple(a for a in args.arms.split(",") if a),
             )
     result["wall_time_s"] = round(time.monotonic() - started, 1)
     out = Path(args.out)

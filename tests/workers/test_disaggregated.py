@@ -181,6 +181,13 @@ def test_learner_importance_weight_comes_from_rollout_behaviour_logprobs(tiny_mo
     plain = _first_update(tiny_model, tmp_path, stale, "ppo-clip")
     assert "is_weight_mean" not in plain
 
+    # mis: w = 3 leaves the default band [0.5, 2] (every token masked); w = 1.5 stays in it
+    masked = _first_update(tiny_model, tmp_path, stale, "mis")
+    assert masked["is_weight_dropped_fraction"] == 1.0
+    inside = _first_update(tiny_model, tmp_path, _shift_behaviour(groups, -math.log(1.5)), "mis")
+    assert inside["is_weight_dropped_fraction"] == 0.0
+    assert inside["is_weight_mean"] == pytest.approx(1.5, rel=1e-3)
+
 
 # ------------------------------------------------------------------------- hold + control
 
