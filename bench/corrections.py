@@ -210,37 +210,43 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Reward curves per arm (mean over seeds) and the mismatch per weight-sync compression."""
+    """Reward curves per arm (mean over seeds) and, when measured, the mismatch per weight-sync
+    compression."""
     import numpy as np
 
-    with figure(path, ncols=2, figsize=(13, 4.5)) as (_fig, axes):
-        ax = axes[0]
-        for row in result.get("corrections", []):
-            curves = [c for c in row["curves"] if c]
-            if not curves:
+    panels = [key for key in ("corrections", "mismatch") if result.get(key)]
+    if not panels:
+        return
+    with figure(path, ncols=len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False) as (
+        _fig,
+        axes,
+    ):
+        for ax, panel in zip(axes[0], panels, strict=True):
+            if panel == "corrections":
+                for row in result["corrections"]:
+                    curves = [c for c in row["curves"] if c]
+                    if not curves:
+                        continue
+                    width = min(len(c) for c in curves)
+                    mean = np.mean([c[:width] for c in curves], axis=0)
+                    style = "--" if row["arm"] == "colocated" else "-"
+                    ax.plot(range(1, width + 1), mean, style, label=row["arm"])
+                ax.set_xlabel("step")
+                ax.set_ylabel(f"reward (mean over {result['seeds']} seeds)")
+                ax.set_title(
+                    f"{result.get('algorithm', 'grpo').upper()}, maxVersions "
+                    f"{result.get('max_versions', MAX_VERSIONS)}: corrections vs colocated"
+                )
+                ax.legend(fontsize=8)
                 continue
-            width = min(len(c) for c in curves)
-            mean = np.mean([c[:width] for c in curves], axis=0)
-            style = "--" if row["arm"] == "colocated" else "-"
-            ax.plot(range(1, width + 1), mean, style, label=row["arm"])
-        ax.set_xlabel("step")
-        ax.set_ylabel("reward (mean over seeds)")
-        ax.set_title(
-            f"{result.get('algorithm', 'grpo').upper()}, maxVersions "
-            f"{result.get('max_versions', MAX_VERSIONS)}: corrections vs colocated"
-        )
-        if result.get("corrections"):
-            ax.legend(fontsize=8)
-        ax = axes[1]
-        rows = [r for r in result.get("mismatch", []) if r["ok"]]
-        if rows:
+            rows = [r for r in result["mismatch"] if r["ok"]]
             names = [r["compression"] for r in rows]
-            ax.bar(names, [r["mismatch_mean"] for r in rows], label="mean |Δ|")
+            ax.bar(names, [r["mismatch_mean"] for r in rows])
             ax.set_yscale("symlog", linthresh=1e-6)
             for i, r in enumerate(rows):
                 ax.text(i, r["mismatch_mean"], f"{r['mismatch_mean']:.5f}", ha="center")
-        ax.set_ylabel("mean |rollout - trainer| log-prob (nats)")
-        ax.set_title("train/inference mismatch by weight-sync compression")
+            ax.set_ylabel("mean |rollout - trainer| log-prob (nats)")
+            ax.set_title("train/inference mismatch by weight-sync compression")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -434,6 +434,17 @@ def test_nearest_cell_same_algorithm_and_topology_is_near() -> None:
     assert near.differences == ["max_versions 2 (job: 4)"]
 
 
+def test_nearest_cell_of_a_mis_job_is_the_committed_mis_cell() -> None:
+    """The committed matrix measures correction mis: a mis job is quoted its own cell."""
+    matrix = Path(__file__).resolve().parents[2] / "bench" / "results" / "matrix.json"
+    cells = json.loads(matrix.read_text())["cells"]
+    staleness = {"maxVersions": 1, "correction": "mis"}
+    spec = job(topology="disaggregated", algorithm={"name": "dapo"}, staleness=staleness)
+    near = nearest_cell(spec.spec, "disaggregated", cells)
+    assert near.near and near.note == "same cell measured"
+    assert near.cell is not None and near.cell["cell"] == "dapo/disagg-v1/mis"
+
+
 def test_nearest_cell_other_algorithm_says_none_is_near() -> None:
     spec = job(algorithm={"name": "ppo"})
     far = nearest_cell(spec.spec, "colocated", CELLS)
