@@ -76,6 +76,32 @@ def test_buffer_add_redelivery_after_take_never_trained_twice() -> None:
     assert buffer.dropped["duplicate"] == 1
 
 
+def test_buffer_duplicate_memory_stays_flat_over_many_versions() -> None:
+    """Issue 27 item 7: every id was remembered forever (~157 B each). Ids are forgotten once a
+    redelivery would be stale anyway; one inside the window is still refused."""
+    buffer = ExperienceBuffer(capacity=64, max_staleness_versions=2)
+    for version in range(500):
+        for i in range(8):
+            buffer.add(traj(f"v{version}-{i}", version=version), now=float(version))
+        assert len(buffer.take(8, current_version=version, now=float(version))) == 8
+    assert buffer.remembered_ids <= 3 * 8  # versions 497..499
+    assert not buffer.add(traj("v498-3", version=498), now=500.0, current_version=499)
+    assert buffer.dropped["duplicate"] == 1
+    # behind the window a redelivery is refused as stale, so forgetting it lost nothing
+    assert not buffer.add(traj("v100-3", version=100), now=500.0, current_version=499)
+    assert buffer.dropped["stale_version"] == 1
+
+
+def test_buffer_without_a_version_bound_forgets_ids_by_age() -> None:
+    buffer = ExperienceBuffer(capacity=64, max_age_seconds=10.0)
+    buffer.add(traj("a", created_at=0.0), now=0.0)
+    buffer.take(1, current_version=0, now=0.0)
+    buffer.evict(current_version=0, now=11.0)
+    assert buffer.remembered_ids == 0
+    assert not buffer.add(traj("a", created_at=0.0), now=11.0)  # and expired if redelivered
+    assert buffer.dropped["expired"] == 1
+
+
 def test_buffer_add_past_max_age_refused_limit_kept() -> None:
     buffer = ExperienceBuffer(capacity=4, max_age_seconds=10.0)
 

@@ -11,7 +11,9 @@ Drop reasons, counted in ``ExperienceBuffer.dropped``:
 - ``stale_version``: ``current_version - policy_version > max_staleness_versions``;
 - ``expired``: ``now - created_at > max_age_seconds``;
 - ``capacity``: pushed out (or refused) because the buffer was full and it was the oldest;
-- ``duplicate``: its id was offered before; a redelivered trajectory is never trained twice;
+- ``duplicate``: its id was offered before; a redelivered trajectory is never trained twice
+  (ids are remembered while a redelivery could be trained: within the staleness bound, or
+  ``max_age_seconds`` (else ``dedup.FORGET_AFTER_S``) after their version's last arrival);
 - ``malformed``: its response has no tokens, or not one behaviour log-prob per response token
   (trained on, it would pair log-probs with the wrong tokens).
 
@@ -32,6 +34,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from rljob_workers.dedup import FORGET_AFTER_S, SeenIds
 
 __all__ = [
     "DROP_REASONS",
@@ -221,12 +225,19 @@ class ExperienceBuffer:
         self.max_age_seconds = max_age_seconds
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self._entries: list[_Entry] = []
-        self._seen_ids: set[str] = set()
+        self._seen = SeenIds(
+            max_staleness_versions, forget_after_s=max_age_seconds or FORGET_AFTER_S
+        )
         self._broken: OrderedDict[str, str] = OrderedDict()
         self._arrivals = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def remembered_ids(self) -> int:
+        """How many trajectory ids the duplicate check remembers now."""
+        return len(self._seen)
 
     def add(
         self, trajectory: Trajectory, *, now: float, current_version: int | None = None
@@ -236,10 +247,9 @@ class ExperienceBuffer:
         Expired trajectories are refused at once; version staleness is checked here only when
         ``current_version`` is given (otherwise at the next ``evict``/``take``).
         """
-        if trajectory.id in self._seen_ids:
+        if not self._seen.first_time(trajectory.id, trajectory.policy_version, now=now):
             self.dropped["duplicate"] += 1
             return False
-        self._seen_ids.add(trajectory.id)
         reason = self._broken.get(trajectory.group_id) or self.drop_reason(
             trajectory, current_version=current_version, now=now
         )
@@ -258,7 +268,11 @@ class ExperienceBuffer:
         return any(kept is entry for kept in self._entries)
 
     def evict(self, *, current_version: int, now: float) -> int:
-        """Drop every stale or expired trajectory; return how many were dropped."""
+        """Drop every stale or expired trajectory; return how many were dropped. Ids no
+        redelivery could be trained from any more are forgotten (``dedup.SeenIds``)."""
+        self._seen.max_versions_behind = self.max_staleness_versions  # live changes follow
+        self._seen.forget_after_s = self.max_age_seconds or FORGET_AFTER_S
+        self._seen.forget(current_version=current_version, now=now)
         before = len(self._entries)
         kept: list[_Entry] = []
         for entry in self._entries:

@@ -282,6 +282,30 @@ def test_client_control_reports_version_and_hold(server) -> None:
     assert not within.hold and within.max_versions == 2
 
 
+def test_server_duplicate_memory_stays_flat_over_many_versions() -> None:
+    """Issue 27 item 7: the server remembered every trajectory id forever. Over 60 versions of
+    real traffic it now remembers only the ids of the versions within max_versions (2)."""
+    buffer = ExperienceBuffer(capacity=1000, max_staleness_versions=2)
+    with ExperienceServer(TOKEN, buffer, max_versions=2) as server:
+        _traffic_over_versions(server, buffer)
+    assert server.remembered_ids <= 3 * 16
+    assert buffer.remembered_ids <= 3 * 16
+    assert server.stats.accepted == 60 * 16
+
+
+def _traffic_over_versions(server: ExperienceServer, buffer: ExperienceBuffer) -> None:
+    client = ExperienceClient(server.url, TOKEN, batch_size=16)
+    for version in range(60):
+        server.set_policy_version(version)
+        batch = [
+            replace(make_trajectory(i, version=version), id=f"v{version}-{i}") for i in range(16)
+        ]
+        assert client.send(batch, timeout_s=10) == 16
+        with server.locked():
+            buffer.take(len(buffer), current_version=version, now=time.time())
+    client.close()
+
+
 def test_server_stale_trajectory_acked_but_dropped_and_counted(server, buffer) -> None:
     server.set_policy_version(10)
     client = ExperienceClient(server.url, TOKEN)

@@ -28,7 +28,10 @@ this server reads (``formats``); a client switches to binary only once it has se
 so a new rollout keeps sending JSON lines to an old trainer (which sends no such header).
 
 De-duplication: ids seen by this server are remembered, so a batch re-sent after a lost ack is
-acked again but offered to the sink only once; an ``ExperienceBuffer`` sink de-duplicates by id as
+acked again but offered to the sink only once. They are remembered only while a redelivery could
+be trained (``dedup.SeenIds``: versions within ``max_versions`` of the current one, and at most
+``dedup.FORGET_AFTER_S`` after their version's last arrival), so the memory stays flat over a
+long job; an ``ExperienceBuffer`` sink de-duplicates by id as
 well, which also covers a restarted server feeding the same buffer. A restarted trainer *process*
 starts from its last checkpoint with an empty buffer: trajectories it accepted but never trained
 on are gone with it, and the clients' retries of unacked ones are then welcome, not duplicates.
@@ -45,6 +48,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.dedup import SeenIds
 from rljob_workers.staleness import must_hold
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
@@ -125,7 +129,7 @@ class ExperienceServer:
         self.stats = ServerStats()
         self._clock = clock
         self._version = 0
-        self._seen: set[str] = set()
+        self._seen = SeenIds(max_versions)
         self._lock = threading.Lock()
         routes = {("POST", "/v1/experience"): self._receive, ("GET", "/v1/control"): self._control}
         self._http = AuthenticatedHTTPServer(
@@ -152,10 +156,17 @@ class ExperienceServer:
         """The trainer's current policy version, as announced to rollouts."""
         return self._version
 
+    @property
+    def remembered_ids(self) -> int:
+        """How many trajectory ids the duplicate check remembers now."""
+        return len(self._seen)
+
     def set_policy_version(self, version: int) -> None:
         """Announce a new policy version (after the trainer published new weights)."""
         with self._lock:
             self._version = version
+            self._seen.max_versions_behind = self.max_versions  # a live bound follows
+            self._seen.forget(current_version=version, now=self._clock())
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -226,10 +237,11 @@ class ExperienceServer:
     def _offer_all(self, trajectories: list[Trajectory]) -> dict[str, int]:
         counts = {"accepted": 0, "duplicates": 0, "dropped": 0}
         for trajectory in trajectories:
-            if trajectory.id in self._seen:
+            if not self._seen.first_time(
+                trajectory.id, trajectory.policy_version, now=self._clock()
+            ):
                 counts["duplicates"] += 1
                 continue
-            self._seen.add(trajectory.id)
             counts[self._offer(trajectory)] += 1
         self.stats.accepted += counts["accepted"]
         self.stats.duplicates += counts["duplicates"]
