@@ -2,8 +2,9 @@
 
 - each invalid spec is refused by ``kubectl apply`` with a message naming the field; the
   sharding and precision rules (powerSGD not with an explicit fsdp, cpuOffload not with ddp, set
-  or resolved from powerSGD, no float16 training) with exactly the message the operator's
-  pydantic twin gives;
+  or resolved from powerSGD, no float16 training) and spec.worker.env naming a variable the
+  operator sets (MASTER_*, RLJOB_*, ...: issue 27 item 10) with exactly the message the
+  operator's pydantic twin gives;
 - a powerSGD job without trainer.sharding (as stored before the field) is accepted and stays
   without it: the unset field resolves to ddp;
 - the examples are accepted, and defaults are filled in by the API server (trainer.sharding has
@@ -123,8 +124,20 @@ def test_fractional_gpu_count_is_rejected(cluster: LocalCluster, crd: None) -> N
             "cpuOffload",
         ),
         ({"model": {"dtype": "float16"}}, "dtype"),
+        (
+            {"worker": {"env": [{"name": "OK", "value": "1"}, {"name": "MASTER_ADDR"}]}},
+            "MASTER_ADDR",
+        ),
+        ({"worker": {"env": [{"name": "RLJOB_CONFIG", "value": "/x"}]}}, "RLJOB_CONFIG"),
     ],
-    ids=["powersgd-fsdp", "offload-ddp", "offload-powersgd-unset", "float16"],
+    ids=[
+        "powersgd-fsdp",
+        "offload-ddp",
+        "offload-powersgd-unset",
+        "float16",
+        "env-master",
+        "env-rljob",
+    ],
 )
 def test_sharding_and_precision_rules_refused_with_the_operators_message(
     cluster: LocalCluster, crd: None, patch: dict[str, Any], field: str

@@ -308,7 +308,8 @@ def test_cel_rules_all_have_message_naming_spec_path_and_reason() -> None:
 
 
 # A tiny interpreter for the CEL subset the rules use: literals, self, field selection, has(),
-# ! && || ?: == != < <= > >= in, + and list literals, map indexing, the all() macro, startsWith,
+# ! && || ?: == != < <= > >= in, + and list literals, map and list indexing, the all() and
+# filter() macros, startsWith,
 # string() and the Kubernetes quantity() library's isGreaterThan. Selecting an absent field is an
 # error, as in CEL, so a rule lacking a has() guard fails these tests.
 
@@ -386,10 +387,10 @@ class _Parser:
                 node = (".", node, name)
                 continue
             self.take("(")
-            if name == "all":
+            if name in ("all", "filter"):
                 var = self.take()[1]
                 self.take(",")
-                node = ("all", node, var, self.ternary())
+                node = (name, node, var, self.ternary())
             else:
                 node = ("call", node, name, self.arguments())
             self.take(")")
@@ -474,12 +475,19 @@ def _eval(node: Any, obj: Any, env: dict[str, Any] | None = None) -> Any:
         return [_eval(n, obj, env) for n in node[1]]
     if op == "index":
         target, key = _eval(node[1], obj, env), _eval(node[2], obj, env)
+        if isinstance(target, list):
+            if not isinstance(key, int) or not 0 <= key < len(target):
+                raise CelError(f"index {key!r} out of range")
+            return target[key]
         if key not in target:
             raise CelError(f"no such key: {key}")
         return target[key]
     if op == "all":
         target = _eval(node[1], obj, env)
         return all(_boolean(_eval(node[3], obj, {**env, node[2]: k})) for k in target)
+    if op == "filter":
+        target = _eval(node[1], obj, env)
+        return [k for k in target if _boolean(_eval(node[3], obj, {**env, node[2]: k}))]
     if op == "fn":
         args = [_eval(a, obj, env) for a in node[2]]
         if node[1] == "string":
@@ -753,6 +761,7 @@ COUNTEREXAMPLES = {
     "checkpoint-size-zero": {"checkpoint": {"size": "0Gi"}},
     "collapse-smoothing": {"collapse": {"windowSteps": 4, "smoothingSteps": 5}},
     "shm-zero": {"worker": {"shmSize": 0}},
+    "worker-env-owned": {"worker": {"env": [{"name": "A"}, {"name": "RLJOB_TOKEN"}]}},
     "rollout-memory-zero": {"rollout": {"resources": {"requests": {"memory": "0"}}}},
     "trainer-hugepages-zero": {"trainer": {"resources": {"limits": {"hugepages-2Mi": "0Mi"}}}},
     "in-process": {

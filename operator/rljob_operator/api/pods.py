@@ -140,6 +140,21 @@ OPERATOR_ENV: Final = (
     "HF_HUB_OFFLINE",
 )
 """Environment variables of the worker containers that the operator sets (plus RLJOB_*)."""
+_OWNED_ENV_CEL = (
+    "(e.name in ["
+    + ", ".join(f"'{name}'" for name in OPERATOR_ENV)
+    + "] || "
+    + " || ".join(f"e.name.startsWith('{prefix}')" for prefix in OPERATOR_ENV_PREFIXES)
+    + ")"
+)
+"""CEL of "env var ``e`` is one the operator sets"."""
+
+
+def operator_owned_env(name: str) -> bool:
+    """Whether the operator sets variable ``name`` in the worker containers."""
+    return name in OPERATOR_ENV or name.startswith(OPERATOR_ENV_PREFIXES)
+
+
 OPERATOR_LABEL_PREFIXES: Final = (f"{GROUP}/", "app.kubernetes.io/", "scheduling.x-k8s.io/")
 OPERATOR_MOUNTS: Final = ("/etc/rljob", "/tmp", "/home/rljob", "/dev/shm")
 """Mount paths of the worker containers the operator owns (besides the checkpoint and model
@@ -237,7 +252,7 @@ class PodTemplateOverrides(SpecModel):
             name = var.get("name")
             if not isinstance(name, str) or not name:
                 out.append(f"env[{i}].name: required")
-            elif name in OPERATOR_ENV or name.startswith(OPERATOR_ENV_PREFIXES):
+            elif operator_owned_env(name):
                 out.append(f"env[{i}].name: {name} is set by the operator; use another name")
         return out
 
@@ -298,7 +313,25 @@ class WorkerPods(SpecModel):
         "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
     )
 
-    cel_rules: ClassVar[tuple[CelRule, ...]] = (positive_size("shmSize", "spec.worker.shmSize"),)
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        positive_size("shmSize", "spec.worker.shmSize"),
+        CelRule(
+            rule=f"!has(self.env) || self.env.all(e, !{_OWNED_ENV_CEL})",
+            message="spec.worker.env: MASTER_ADDR, MASTER_PORT, POD_NAME, POD_NAMESPACE, HOME, "
+            "XDG_CACHE_HOME, HF_HUB_OFFLINE and RLJOB_* are set by the operator; use another name",
+            message_expression="'spec.worker.env: ' + self.env.filter(e, "
+            f"{_OWNED_ENV_CEL})[0].name + ' is set by the operator (it "
+            "would override what the workers need to run); use another name'",
+            holds=lambda w: not [v for v in w.get("env", []) if operator_owned_env(v["name"])],
+            render=lambda w: (
+                "spec.worker.env: "
+                + next(v["name"] for v in w["env"] if operator_owned_env(v["name"]))
+                + " is set by the operator (it would override what the workers need to run); "
+                "use another name"
+            ),
+            field_path=".env",
+        ),
+    )
 
     @field_validator("env")
     @classmethod
