@@ -598,6 +598,9 @@ def cel_failures(schema: dict[str, Any], value: Any) -> list[tuple[tuple[str, st
         for name, sub in schema.get("properties", {}).items():
             if name in value:
                 failures += cel_failures(sub, value[name])
+    if isinstance(value, list) and "items" in schema:
+        for item in value:
+            failures += cel_failures(schema["items"], item)
     return failures
 
 

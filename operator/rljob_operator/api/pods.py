@@ -141,13 +141,16 @@ OPERATOR_ENV: Final = (
 )
 """Environment variables of the worker containers that the operator sets (plus RLJOB_*)."""
 _OWNED_ENV_CEL = (
-    "(e.name in ["
+    "(self.name in ["
     + ", ".join(f"'{name}'" for name in OPERATOR_ENV)
     + "] || "
-    + " || ".join(f"e.name.startsWith('{prefix}')" for prefix in OPERATOR_ENV_PREFIXES)
+    + " || ".join(f"self.name.startsWith('{prefix}')" for prefix in OPERATOR_ENV_PREFIXES)
     + ")"
 )
-"""CEL of "env var ``e`` is one the operator sets"."""
+"""CEL of "this env var is one the operator sets" (a rule of the list item: cheap to estimate)."""
+_OWNED_ENV_TEXT = (
+    " is set by the operator (it would override what the workers need to run); use another name"
+)
 
 
 def operator_owned_env(name: str) -> bool:
@@ -264,7 +267,19 @@ def _under(path: str, owned: str) -> bool:
 
 
 class EnvVar(SpecModel):
-    """An environment variable for the worker containers."""
+    """An environment variable for the worker containers (not one the operator sets)."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule=f"!{_OWNED_ENV_CEL}",
+            message="spec.worker.env: MASTER_ADDR, MASTER_PORT, POD_NAME, POD_NAMESPACE, HOME, "
+            "XDG_CACHE_HOME, HF_HUB_OFFLINE and RLJOB_* are set by the operator; use another name",
+            message_expression=f"'spec.worker.env: ' + self.name + '{_OWNED_ENV_TEXT}'",
+            holds=lambda e: not operator_owned_env(str(e.get("name", ""))),
+            render=lambda e: f"spec.worker.env: {e.get('name')}{_OWNED_ENV_TEXT}",
+            field_path=".name",
+        ),
+    )
 
     name: str = Field(
         min_length=1,
@@ -313,25 +328,7 @@ class WorkerPods(SpecModel):
         "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
     )
 
-    cel_rules: ClassVar[tuple[CelRule, ...]] = (
-        positive_size("shmSize", "spec.worker.shmSize"),
-        CelRule(
-            rule=f"!has(self.env) || self.env.all(e, !{_OWNED_ENV_CEL})",
-            message="spec.worker.env: MASTER_ADDR, MASTER_PORT, POD_NAME, POD_NAMESPACE, HOME, "
-            "XDG_CACHE_HOME, HF_HUB_OFFLINE and RLJOB_* are set by the operator; use another name",
-            message_expression="'spec.worker.env: ' + self.env.filter(e, "
-            f"{_OWNED_ENV_CEL})[0].name + ' is set by the operator (it "
-            "would override what the workers need to run); use another name'",
-            holds=lambda w: not [v for v in w.get("env", []) if operator_owned_env(v["name"])],
-            render=lambda w: (
-                "spec.worker.env: "
-                + next(v["name"] for v in w["env"] if operator_owned_env(v["name"]))
-                + " is set by the operator (it would override what the workers need to run); "
-                "use another name"
-            ),
-            field_path=".env",
-        ),
-    )
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (positive_size("shmSize", "spec.worker.shmSize"),)
 
     @field_validator("env")
     @classmethod
