@@ -358,7 +358,7 @@ def test_learner_two_ranks_report_the_whole_batch_metrics(two_ranks, tmp_path):
     assert rank0["logprob_mismatch_tokens"] == 2.0  # rank 0: two one-token responses
     assert rank0["tokens"] == 8.0
     keys = {
-        "tokens", "advantage_var", "behaviour_logprob_gap", "entropy", "policy_loss", "kl",
+        "tokens", "advantage_var", "behaviour_logprob_gap", "entropy", "policy_loss", "kl", "loss",
         "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_kl", "grad_norm",
     }  # fmt: skip
     assert keys <= set(rank0)

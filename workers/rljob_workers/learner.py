@@ -755,14 +755,17 @@ def reduce_metrics(
 ) -> dict[str, float]:
     """The whole batch's metrics from one rank's: minibatch means ``local`` (token-weighted by
     the rank's tokens) and ``batch_metric_parts``; sums and counts are added over every rank,
-    ``MAX_METRICS`` take the largest (one all-reduce each when ``distributed``). Names outside
+    ``MAX_METRICS`` take the largest (one all-reduce each when ``distributed``). ``loss`` is a
+    rank's share of the global loss times the rank count (its gradients are averaged over the
+    ranks), so the whole batch's is the plain mean over every rank, rows or not. Names outside
     ``REDUCED_LOSS_METRICS`` pass through as this rank's."""
     tokens = parts.get("tokens", (0.0, 0.0))[0]
     names = REDUCED_LOSS_METRICS  # the same names on every rank, rows or not
     sums: list[float] = []
     for name in names:
-        weight = tokens if name in local else 0.0
-        sums += [local.get(name, 0.0) * weight, weight]
+        present = 1.0 if name in local else 0.0
+        weight = 1.0 if name == "loss" else tokens * present
+        sums += [local.get(name, 0.0) * weight, weight, present]
     for name in _REDUCED_KEYS:
         total, count = parts.get(name, (0.0, 0.0))
         sums += [total if name not in MAX_METRICS else 0.0, count]
@@ -773,10 +776,10 @@ def reduce_metrics(
         maxima = global_max(maxima, distributed=True)
     out = {name: value for name, value in local.items() if name not in names}
     for i, name in enumerate(names):
-        total, weight = sums[2 * i], sums[2 * i + 1]
-        if weight:
+        total, weight, present = sums[3 * i : 3 * i + 3]
+        if weight and present:
             out[name] = total / weight
-    offset = 2 * len(names)
+    offset = 3 * len(names)
     got = {
         name: (sums[offset + 2 * i], sums[offset + 2 * i + 1])
         for i, name in enumerate(_REDUCED_KEYS)
