@@ -742,9 +742,10 @@ _REDUCED_KEYS = (
     "_advantage_square_sum",
     "behaviour_logprob_gap",
     *_MISMATCH_MEANS,
-    "logprob_mismatch_max",
     "logprob_mismatch_tokens",
 )
+"""Sums of ``batch_metric_parts`` added over ranks (its ``logprob_mismatch_max`` takes the
+largest instead)."""
 
 
 def reduce_metrics(
@@ -768,7 +769,7 @@ def reduce_metrics(
         sums += [local.get(name, 0.0) * weight, weight, present]
     for name in _REDUCED_KEYS:
         total, count = parts.get(name, (0.0, 0.0))
-        sums += [total if name not in MAX_METRICS else 0.0, count]
+        sums += [total, count]
     maxima = [parts.get("logprob_mismatch_max", (-math.inf, 0.0))[0]]
     maxima += [local.get(name, -math.inf) for name in names if name in MAX_METRICS]
     if distributed:

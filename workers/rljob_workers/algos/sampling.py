@@ -34,6 +34,13 @@ def is_restricted(*, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> 
     return top_k > 0 or top_p < 1.0 or min_p > 0.0
 
 
+def _check(top_p: float, min_p: float) -> None:
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+
+
 def restrict_logits(
     logits: Tensor,
     *,
@@ -51,10 +58,7 @@ def restrict_logits(
         min_p: keep tokens whose probability is at least ``min_p`` times the largest (``0``: all).
         keep: ``[...]`` token ids kept whatever the rules say (the sampled tokens).
     """
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    _check(top_p, min_p)
     if not is_restricted(top_k=top_k, top_p=top_p, min_p=min_p):
         return logits
     lowest = torch.finfo(logits.dtype).min
@@ -89,7 +93,7 @@ class Truncation:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        restrict_logits(torch.zeros(1), top_p=self.top_p, min_p=self.min_p)  # range checks
+        _check(self.top_p, self.min_p)
 
     @property
     def active(self) -> bool:

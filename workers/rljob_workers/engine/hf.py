@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rljob_workers.algos.sampling import restrict_logits
+from rljob_workers.algos.sampling import Truncation
 from rljob_workers.engine.base import (
     Completion,
     DecodingSource,
@@ -90,7 +90,7 @@ class HFEngine:
     ) -> list[Completion]:
         """Sample ``n`` responses per prompt; see ``RolloutEngine.generate``."""
         check_sampling(n, max_tokens, temperature, top_p, top_k, min_p)
-        rule = _Rule(temperature, top_k, top_p, min_p)
+        rule = _Rule(temperature, Truncation(top_k, top_p, min_p))
         prompt_ids = self.encode(prompts)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(request_seeds(seed, 1, self._stream)[0])
@@ -130,7 +130,7 @@ class HFEngine:
         ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
         chosen = torch.tensor(list(token_ids), device=self.device)
-        logprobs = _Rule(temperature, top_k, top_p, min_p).logprobs(logits)
+        logprobs = _Rule(temperature, Truncation(top_k, top_p, min_p)).logprobs(logits)
         return [float(value) for value in logprobs.gather(-1, chosen[:, None])[:, 0]]
 
     @torch.no_grad()
@@ -239,19 +239,14 @@ class _Rule:
     """The sampling settings of one ``generate`` call."""
 
     temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
+    truncation: Truncation
 
     def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[batch, vocab]`` log-probs tokens are drawn from: ``log_softmax`` of the tempered,
         restricted logits (``algos.sampling``); the raw model log-probs at T = 0 (greedy)."""
         if self.temperature == 0:
             return torch.log_softmax(logits, dim=-1)
-        restricted = restrict_logits(
-            logits / self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
-        )
-        return torch.log_softmax(restricted, dim=-1)
+        return torch.log_softmax(self.truncation.apply(logits / self.temperature), dim=-1)
 
     def sample(
         self, logits: torch.Tensor, generator: torch.Generator
