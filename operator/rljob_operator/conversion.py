@@ -254,9 +254,16 @@ def review_response(review: Mapping[str, Any]) -> dict[str, Any]:
     try:
         converted = _convert_all(request)
     except ConversionError as exc:
-        result: dict[str, Any] = {"status": "Failure", "message": str(exc)}
-        return _review({"uid": uid, "convertedObjects": [], "result": result})
+        return failure_review(uid, str(exc))
     return _review({"uid": uid, "convertedObjects": converted, "result": {"status": "Success"}})
+
+
+def failure_review(uid: str, message: str) -> dict[str, Any]:
+    """A ConversionReview refusing request ``uid`` (empty when the request had none) with
+    ``message``: the answer to a body that is not a ConversionReview at all."""
+    return _review(
+        {"uid": uid, "convertedObjects": [], "result": {"status": "Failure", "message": message}}
+    )
 
 
 def _convert_all(request: Mapping[str, Any]) -> list[dict[str, Any]]:

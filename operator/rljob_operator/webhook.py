@@ -18,18 +18,22 @@ controller starts:
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import datetime
 import ipaddress
 import json
 import logging
+import resource
+import socket
 import ssl
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +44,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator import api, crdgen
-from rljob_operator.conversion import ConversionError, review_response
+from rljob_operator.conversion import ConversionError, failure_review, review_response
 from rljob_operator.kube import Kube, resource_path
 
 log = logging.getLogger(__name__)
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 CRD_API = "apiextensions.k8s.io/v1"
-MAX_BODY = 32 * 1024 * 1024
 ROTATE_AT_FRACTION = 1 / 3
 """A certificate is re-issued when less than this fraction of its lifetime is left."""
 
@@ -233,74 +236,267 @@ def ensure_certificate(
 # ------------------------------------------------------------------------------- the server
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: WebhookServer
+@dataclass(frozen=True)
+class WebhookLimits:
+    """What one webhook replica spends on its callers, whoever they are.
 
-    def do_POST(self) -> None:
-        if self.path.split("?")[0] != "/convert":
-            self._send(404, {"error": f"{self.path}: not found; the webhook serves /convert"})
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        if not 0 < length <= MAX_BODY:
-            self._send(400, {"error": f"request body of {length} bytes; send a ConversionReview"})
-            return
-        try:
-            review = json.loads(self.rfile.read(length))
-            answer = review_response(review)
-        except (ValueError, ConversionError) as exc:
-            log.warning("bad conversion request: %s", exc)
-            self._send(400, {"error": f"bad ConversionReview: {exc}"})
-            return
-        result = answer["response"]["result"]
-        if result["status"] != "Success":
-            log.warning("conversion refused: %s", result["message"])
-        self.server.conversions += 1
-        self._send(200, answer)
+    The API server never sends a request body over 3 MiB (its own limit on a write), so a larger
+    ``Content-Length`` is answered at once without reading it. Connections are asyncio streams,
+    not threads: an idle one costs a socket, and past ``max_connections`` new ones are closed at
+    accept. Each request must arrive whole (TLS handshake, head and body) within
+    ``request_seconds`` of its first byte; a kept-alive connection idle for ``idle_seconds`` is
+    closed. Bodies being read hold at most ``buffered_bytes`` together, and ``conversions`` of
+    them are parsed and converted at a time, on their own threads, so the controller's threads
+    and memory never depend on what callers send.
+    """
 
-    def do_GET(self) -> None:
-        self._send(200 if self.path == "/healthz" else 404, {"ok": self.path == "/healthz"})
-
-    def _send(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("webhook: " + format, *args)
+    max_body: int = 3 << 20
+    request_seconds: float = 10.0
+    idle_seconds: float = 30.0
+    max_connections: int = 512
+    buffered_bytes: int = 24 << 20
+    conversions: int = 2
+    max_head: int = 16 << 10
 
 
-class WebhookServer(ThreadingHTTPServer):
-    """HTTPS server for ``/convert``; ``use`` swaps the certificate for the next connections."""
+class _HttpError(Exception):
+    """A request answered with ``status`` and a ConversionReview failure naming ``message``."""
 
-    daemon_threads = True
+    def __init__(self, status: int, message: str, *, close: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.close = close
 
-    def __init__(self, port: int, certificates: Certificates, host: str = "0.0.0.0") -> None:
-        super().__init__((host, port), _Handler)
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+}
+
+
+class _ByteBudget:
+    """Bytes of request bodies the server holds at once; a reader waits for its share."""
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self._changed = asyncio.Condition()
+
+    async def take(self, n: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free >= n)
+            self.free -= n
+
+    async def give(self, n: int) -> None:
+        async with self._changed:
+            self.free += n
+            self._changed.notify_all()
+
+
+class WebhookServer:
+    """HTTPS server for ``POST /convert`` (and ``GET /healthz``) on an asyncio loop of its own
+    thread, within ``limits``; ``use`` swaps the certificate for the next connections.
+
+    ``refused`` counts what was turned away, by reason: ``connections`` (over the cap),
+    ``too_large``, ``malformed`` (not HTTP, not JSON, not a ConversionReview), ``timeout``.
+    """
+
+    def __init__(
+        self,
+        port: int,
+        certificates: Certificates,
+        host: str = "0.0.0.0",
+        limits: WebhookLimits | None = None,
+    ) -> None:
+        self.limits = limits or WebhookLimits()
         self.conversions = 0
+        self.refused: dict[str, int] = dict.fromkeys(
+            ("connections", "too_large", "malformed", "timeout"), 0
+        )
+        self.open_connections = 0
         self._context = _context(certificates)
         self.serving = certificates
+        self._sock = socket.create_server((host, port), backlog=128)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and self.limits.max_connections > soft - 64:
+            # past the file limit accept() itself fails: refuse below it instead
+            self.limits = dataclasses.replace(self.limits, max_connections=max(8, soft - 64))
+        self._loop = asyncio.new_event_loop()
+        self._pool = ThreadPoolExecutor(self.limits.conversions, "webhook-convert")
+        self._budget: _ByteBudget | None = None
+        self._server: asyncio.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._sock.getsockname()[1])
 
     def use(self, certificates: Certificates) -> None:
         self._context = _context(certificates)
         self.serving = certificates
 
-    def get_request(self) -> tuple[Any, Any]:
-        sock, addr = super().get_request()
-        # the handshake runs in the handler thread (first read), never in the accept loop
-        return self._context.wrap_socket(
-            sock, server_side=True, do_handshake_on_connect=False
-        ), addr
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("webhook connection from %s failed", client_address, exc_info=True)
-
     def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self.serve_forever, name="conversion-webhook", daemon=True)
-        thread.start()
-        return thread
+        self._thread = threading.Thread(target=self._run, name="conversion-webhook", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        """Stop serving, drop open connections and release the port."""
+        if self._thread is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._budget = _ByteBudget(self.limits.buffered_bytes)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._connection, sock=self._sock, limit=self.limits.max_head)
+        )
+        try:
+            self._loop.run_forever()
+        finally:
+            self._server.close()
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open_connections >= self.limits.max_connections:
+            self.refused["connections"] += 1
+            writer.transport.abort()
+            return
+        self.open_connections += 1
+        try:
+            async with asyncio.timeout(self.limits.request_seconds):
+                await writer.start_tls(self._context)
+            while await self._exchange(reader, writer):
+                pass
+        except TimeoutError:
+            self.refused["timeout"] += 1
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError) as exc:
+            log.debug("webhook connection ended: %s", exc)
+        except asyncio.CancelledError:  # the server closes (ended here: asyncio of 3.11
+            pass  # reports a cancelled connection task as an unhandled error)
+        except Exception:  # one caller's problem never stops the server
+            log.exception("webhook connection failed")
+        finally:
+            self.open_connections -= 1
+            writer.transport.abort()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """One request and its answer; whether the connection stays open for another."""
+        async with asyncio.timeout(self.limits.idle_seconds):
+            first = await reader.read(1)
+        if not first:
+            return False
+        try:
+            async with asyncio.timeout(self.limits.request_seconds):
+                status, body, keep = await self._answer(first, reader)
+        except _HttpError as err:
+            kind = "too_large" if err.status in (413, 431) else "malformed"
+            self.refused["timeout" if err.status == 408 else kind] += 1
+            log.warning("webhook request refused (%d): %s", err.status, err)
+            status, body, keep = err.status, failure_review("", str(err)), not err.close
+        except TimeoutError:
+            self.refused["timeout"] += 1
+            status, body, keep = 408, failure_review("", "request not received in time"), False
+        data = json.dumps(body).encode()
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n"
+        )
+        writer.write(head.encode() + data)
+        async with asyncio.timeout(self.limits.request_seconds):
+            await writer.drain()
+        return keep
+
+    async def _answer(
+        self, first: bytes, reader: asyncio.StreamReader
+    ) -> tuple[int, dict[str, Any], bool]:
+        try:
+            raw = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError as exc:
+            raise _HttpError(431, f"request head over {self.limits.max_head} bytes") from exc
+        method, path, headers = _parse_head(raw)
+        if method == "GET":
+            ok = path == "/healthz"
+            return (200 if ok else 404), {"ok": ok}, True
+        if path != "/convert":
+            raise _HttpError(404, f"{path}: not found; the webhook serves POST /convert")
+        if method != "POST":
+            raise _HttpError(405, f"{method} {path}: send a ConversionReview with POST")
+        if "transfer-encoding" in headers:
+            raise _HttpError(411, "send the ConversionReview with a Content-Length, not chunked")
+        try:
+            length = int(headers.get("content-length", ""))
+        except ValueError:
+            raise _HttpError(411, "Content-Length: expected the body's size in bytes") from None
+        if not 0 < length <= self.limits.max_body:
+            raise _HttpError(
+                413,
+                f"request body of {length} bytes; a ConversionReview is 1 to "
+                f"{self.limits.max_body} bytes",
+            )
+        assert self._budget is not None
+        await self._budget.take(length)
+        try:
+            body = await reader.readexactly(length)
+            answer = await self._loop.run_in_executor(self._pool, _convert, body)
+        finally:
+            await self._budget.give(length)
+        if answer is None:
+            raise _HttpError(400, "bad ConversionReview: not JSON", close=False)
+        if isinstance(answer, str):
+            raise _HttpError(400, f"bad ConversionReview: {answer}", close=False)
+        result = answer["response"]["result"]
+        if result["status"] != "Success":
+            log.warning("conversion refused: %s", result["message"])
+        self.conversions += 1
+        return 200, answer, True
+
+
+def _parse_head(raw: bytes) -> tuple[str, str, dict[str, str]]:
+    """Method, path (without query) and lower-cased headers of an HTTP/1.1 request head."""
+    try:
+        lines = raw.decode("latin-1").split("\r\n")
+        method, target, version = lines[0].split(" ")
+    except ValueError:
+        raise _HttpError(400, "not an HTTP/1.1 request") from None
+    if not version.startswith("HTTP/1."):
+        raise _HttpError(400, f"{version}: the webhook speaks HTTP/1.1")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise _HttpError(400, f"malformed header line {line[:40]!r}")
+            headers[name.strip().lower()] = value.strip()
+    return method, target.split("?")[0], headers
+
+
+def _convert(body: bytes) -> dict[str, Any] | str | None:
+    """The answer to a request body (on a conversion thread): the ConversionReview, the reason
+    it is not one (str), or None when it is not JSON."""
+    try:
+        review = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(review, dict):
+        return "not a JSON object"
+    try:
+        return review_response(review)
+    except ConversionError as exc:
+        return str(exc)
 
 
 def _context(certificates: Certificates) -> ssl.SSLContext:
@@ -439,6 +635,7 @@ class WebhookSettings:
     manage_crd: bool
     migrate: bool
     swap_grace_seconds: float = 5.0
+    limits: WebhookLimits = WebhookLimits()
 
     def hosts(self) -> list[str]:
         if self.service:
@@ -466,7 +663,7 @@ def _certificate(kube: Kube, settings: WebhookSettings) -> Certificates:
 def start_webhook(kube: Kube, settings: WebhookSettings) -> WebhookServer:
     """Certificate, server, CRD, storage migration; then a thread that rotates the certificate."""
     certs = _certificate(kube, settings)
-    server = WebhookServer(settings.port, certs)
+    server = WebhookServer(settings.port, certs, limits=settings.limits)
     server.start()
     service, url = client_config(settings.service, settings.url_host, settings.port)
     ensure_crd(kube, service, url, certs.bundle, schema=settings.manage_crd)

@@ -149,6 +149,9 @@ def test_chart_deployment_hardened_and_elected() -> None:
     ):
         assert flag in c["command"]  # fmt: skip
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    # conversions reach only replicas whose webhook answers (#27 item 2)
+    ready = c["readinessProbe"]["httpGet"]
+    assert ready == {"path": "/healthz", "port": "webhook", "scheme": "HTTPS"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "liveness": 8080,
         "metrics": 9090,
