@@ -1,7 +1,8 @@
 """The operator on a real API server: aspects under test
 
 - each example (GRPO colocated, PPO colocated, DAPO disaggregated) reaches pods Running on fake GPU
-  nodes and RLJob phase Running, with conditions, Events and printer columns;
+  nodes and RLJob phase Running, with conditions, Events and printer columns, and a NetworkPolicy
+  that fences its pods;
 - ``kubectl explain`` shows the API documentation;
 - ``kubectl scale rljob/x --replicas=3`` changes the rollout pods (scale subresource);
 - ``kubectl delete rljob`` removes every child;
@@ -68,12 +69,22 @@ def test_example_reaches_running_on_gpu_nodes(
     assert conditions["Running"]["status"] == "True"
     assert conditions["Running"]["observedGeneration"] == job["metadata"]["generation"]
     assert job["status"]["observedGeneration"] == job["metadata"]["generation"]
-    for kind, count in (("configmap", 2), ("secret", 1), ("serviceaccount", 1), ("role", 1)):
+    kinds = (("configmap", 2), ("secret", 1), ("serviceaccount", 1), ("role", 1))
+    for kind, count in (*kinds, ("networkpolicy", 1)):
         objs = get_json(cluster, kind, "-n", namespace, "-l", f"rljob.io/job={example}")["items"]
         assert len(objs) == count, kind
         assert all(
             o["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"] for o in objs
         )
+    # the data plane is fenced: ingress only from the job's pods, the metrics port from the
+    # cluster (the node's CNI does not enforce policies: tests/operator/test_network_policy.py
+    # checks what the stored object means)
+    policy = get_json(cluster, "networkpolicy", f"{example}-workers", "-n", namespace)["spec"]
+    own = {"podSelector": {"matchLabels": {"rljob.io/job": example}}}
+    assert policy["podSelector"] == own["podSelector"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["ingress"][0] == {"from": [own]}
+    assert policy["ingress"][1]["ports"] == [{"port": 9400, "protocol": "TCP"}]
     table = cluster.kubectl("get", "rlj", example, "-n", namespace).stdout.splitlines()
     header = table[0].split()
     for column in ("ALGORITHM", "TOPOLOGY", "PHASE", "STEP", "AGE"):

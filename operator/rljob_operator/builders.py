@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -571,6 +571,36 @@ def build_headless_service(job: JobRef, role: Role) -> dict[str, Any]:
     }
 
 
+METRICS_FROM_ANYWHERE: tuple[dict[str, Any], ...] = ({"namespaceSelector": {}},)
+"""Who may scrape a job's metrics port by default: any pod of the cluster (that port only)."""
+
+
+def build_network_policy(job: JobRef, metrics_from: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Ingress to the job's pods only from the job's own pods (every port: the rendezvous, the
+    experience and weights servers), and to the metrics port from the ``metrics_from`` peers
+    (NetworkPolicyPeer objects: Prometheus' namespace or pods). Egress stays open (models,
+    datasets). Nothing outside the job reaches the rendezvous or the data plane."""
+    own = {"podSelector": {"matchLabels": {LABEL_JOB: job.name}}}
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
+    if metrics_from:
+        ingress.append(
+            {
+                "from": [dict(peer) for peer in metrics_from],
+                "ports": [{"port": PORTS["metrics"], "protocol": "TCP"}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, f"{job.name}-workers"),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_JOB: job.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def build_pod(
     spec: RLJobSpec,
     job: JobRef,
@@ -804,8 +834,10 @@ def build_children(
     control: Control | None = None,
     resume_from: str | None = None,
     worker_env: tuple[tuple[str, str], ...] = (),
+    metrics_from: Sequence[Mapping[str, Any]] | None = METRICS_FROM_ANYWHERE,
 ) -> list[dict[str, Any]]:
-    """Every object the job should own right now, in apply order."""
+    """Every object the job should own right now, in apply order (``metrics_from`` None: no
+    NetworkPolicy, for clusters that manage their own)."""
     spec = job.spec
     config = build_worker_config(spec, ref, topology)
     if resume_from:
@@ -823,6 +855,8 @@ def build_children(
     ]
     roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
+    if metrics_from is not None:
+        objects.append(build_network_policy(ref, metrics_from))
     if spec.scheduling.gang:
         objects.append(build_pod_group(spec, ref, topology))
     if not spec.suspend:

@@ -11,6 +11,7 @@ trainer checkpoint into a Hugging Face model directory (``rljob export``) and pr
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rljob_operator import __version__
+from rljob_operator.builders import METRICS_FROM_ANYWHERE
 
 
 def operator_main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +69,20 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         default=120.0,
         help="heartbeat window: older worker reports count for no lag, tokens/s or utilisation",
     )
+    parser.add_argument(
+        "--metrics-from",
+        type=_peers,
+        default=list(METRICS_FROM_ANYWHERE),
+        help="JSON list of NetworkPolicyPeer objects allowed to reach a job's metrics port (e.g. "
+        '\'[{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": '
+        '"monitoring"}}}]\'); [] closes it; default: any pod of the cluster',
+    )
+    parser.add_argument(
+        "--no-network-policy",
+        action="store_true",
+        help="create no NetworkPolicy per job (the cluster's admins fence the job pods "
+        "themselves); by default only the job's own pods reach its pods",
+    )
     _add_leader_election_flags(parser)
     _add_webhook_flags(parser)
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -83,6 +99,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         scale_cooldown_seconds=args.scale_cooldown_seconds,
         progress_stale_seconds=args.progress_stale_seconds,
         worker_env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("NCCL_"))),
+        metrics_from=None if args.no_network_policy else tuple(args.metrics_from),
     )
 
     logging.basicConfig(
@@ -143,6 +160,24 @@ def _add_leader_election_flags(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="time between two attempts to acquire or renew",
     )
+
+
+def _peers(text: str) -> list[dict[str, Any]]:
+    """--metrics-from: a JSON list of objects (NetworkPolicyPeer: namespaceSelector, podSelector,
+    ipBlock); the API server checks the rest when the policy is applied."""
+    try:
+        peers = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise argparse.ArgumentTypeError("expected a JSON list of NetworkPolicyPeer objects")
+    known = {"namespaceSelector", "podSelector", "ipBlock"}
+    for peer in peers:
+        if not peer or set(peer) - known:
+            raise argparse.ArgumentTypeError(
+                f"{json.dumps(peer)}: a peer has namespaceSelector, podSelector or ipBlock"
+            )
+    return peers
 
 
 def _add_webhook_flags(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ _KINDS: dict[str, tuple[str, bool]] = {
     "Node": ("nodes", False),
     "Role": ("roles", True),
     "RoleBinding": ("rolebindings", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "Lease": ("leases", True),
     "RLJob": ("rljobs", True),
     "PodGroup": ("podgroups", True),

@@ -50,6 +50,10 @@ def observe_job(
     for kind in ("Role", "RoleBinding"):
         items = kube.list("rbac.authorization.k8s.io/v1", kind, namespace, selector)
         children |= {(kind, i["metadata"]["name"]): i for i in items}
+    children |= {
+        ("NetworkPolicy", p["metadata"]["name"]): p
+        for p in observe_network_policies(kube, namespace, selector)
+    }
     gang_api = True
     if job.get("spec", {}).get("scheduling", {}).get("gang"):
         groups = observe_pod_groups(kube, job, namespace, selector)
@@ -74,6 +78,18 @@ def observe_job(
         kueue=observe_kueue(kube, job, namespace, selector),
         checkpoint_claim=observe_checkpoint_claim(kube, job),
     )
+
+
+def observe_network_policies(kube: Kube, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """The job's NetworkPolicies; none when the operator may not list them (an install whose
+    RBAC predates them): the apply then fails visibly (Event and condition) and names the
+    missing right, instead of the whole pass failing here."""
+    try:
+        return kube.list("networking.k8s.io/v1", "NetworkPolicy", namespace, selector)
+    except ApiException as exc:
+        if exc.status in (403, 404):
+            return []
+        raise
 
 
 def observe_checkpoint_claim(kube: Kube, job: dict[str, Any]) -> dict[str, Any] | None:

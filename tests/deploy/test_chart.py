@@ -44,6 +44,8 @@ WORKLOAD_RULES = [
      "verbs": ["list", "create", "patch"]},
     {"apiGroups": ["scheduling.x-k8s.io", "scheduling.volcano.sh"], "resources": ["podgroups"],
      "verbs": ["list", "create", "patch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["list", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
      "verbs": ["list", "watch", "create", "patch", "delete"]},

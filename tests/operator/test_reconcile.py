@@ -55,6 +55,9 @@ def observed_children(raw: dict[str, Any], pod_phase: str = "Running") -> Observ
         checkpoint_claim=next(
             (bound(o) for o in objs if o["kind"] == "PersistentVolumeClaim"), None
         ),
+        children={
+            (o["kind"], o["metadata"]["name"]): o for o in objs if o["kind"] == "NetworkPolicy"
+        },
     )
 
 
@@ -96,6 +99,7 @@ def test_reconcile_new_job_creates_every_child_pending() -> None:
         ("RoleBinding", "dapo-disaggregated-worker"),
         ("Service", "dapo-disaggregated-rollout"),
         ("Service", "dapo-disaggregated-trainer"),
+        ("NetworkPolicy", "dapo-disaggregated-workers"),
         ("Pod", "dapo-disaggregated-rollout-0"),
         ("Pod", "dapo-disaggregated-rollout-1"),
         ("Pod", "dapo-disaggregated-trainer-0"),

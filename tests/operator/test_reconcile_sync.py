@@ -3,6 +3,7 @@
 - a PodGroup whose minMember is stale after scaling is re-applied with the new count;
 - a Service, Role or RoleBinding that drifted from what the spec says is re-applied; fields the
   API server adds (clusterIPs, targetPort, …) are not drift;
+- a NetworkPolicy opened by hand (any ingress) is put back;
 - a user-supplied serviceAccountName is the subject of the workers' RoleBinding, so the pods
   that run as it may report progress.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from rljob_operator.api import parse_rljob
 from rljob_operator.builders import JobRef, build_children
 from rljob_operator.reconcile import TOKEN_PLACEHOLDER, Observed, reconcile
+from rljob_operator.reconcile.children import SYNCED_KINDS
 from tests.operator.test_reconcile import NOW, job_object, observed_children
 
 
@@ -27,7 +29,7 @@ def as_read(observed: Observed, raw: dict[str, Any]) -> Observed:
     objs = build_children(job, ref, topology, token=TOKEN_PLACEHOLDER, restart_epochs={})
     children = {}
     for obj in objs:
-        if obj["kind"] in ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup"):
+        if obj["kind"] in SYNCED_KINDS:
             read = {k: v for k, v in copy.deepcopy(obj).items() if k not in ("apiVersion", "kind")}
             read["metadata"]["resourceVersion"] = "7"  # list items carry no apiVersion / kind
             if obj["kind"] == "Service":
@@ -62,6 +64,18 @@ def test_sync_drifted_role_and_binding_reapplied() -> None:
     children[("RoleBinding", "dapo-disaggregated-worker")]["subjects"][0]["name"] = "other"
     plan = reconcile(dataclasses.replace(observed, children=children), now=NOW)
     assert sorted(o["kind"] for o in plan.apply) == ["Role", "RoleBinding"]
+
+
+def test_sync_opened_network_policy_is_closed_again() -> None:
+    raw = job_object("dapo-disaggregated")
+    observed = as_read(observed_children(raw), raw)
+    children = copy.deepcopy(observed.children)
+    children[("NetworkPolicy", "dapo-disaggregated-workers")]["spec"]["ingress"] = [{}]
+    plan = reconcile(dataclasses.replace(observed, children=children), now=NOW)
+    assert [o["kind"] for o in plan.apply] == ["NetworkPolicy"]
+    assert plan.apply[0]["spec"]["ingress"][0]["from"] == [
+        {"podSelector": {"matchLabels": {"rljob.io/job": "dapo-disaggregated"}}}
+    ]
 
 
 def test_user_service_account_is_bound_to_progress_role() -> None:

@@ -101,6 +101,10 @@ apply.py, handlers.py and what kopf itself calls):
 - apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh"]
   resources: ["podgroups"]
   verbs: ["list", "create", "patch"]
+# one NetworkPolicy per job: only the job's own pods reach its pods
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["list", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

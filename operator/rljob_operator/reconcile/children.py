@@ -52,7 +52,7 @@ def _differs(desired: dict[str, Any], observed: dict[str, Any] | None) -> bool:
     return "data" in desired and observed.get("data") != desired["data"]
 
 
-SYNCED_KINDS = ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup")
+SYNCED_KINDS = ("Service", "ServiceAccount", "Role", "RoleBinding", "PodGroup", "NetworkPolicy")
 """Children kept in sync with the spec each pass (pods roll by config hash, the token Secret is
 never rewritten, ConfigMaps compare their data)."""
 
@@ -75,6 +75,7 @@ def _desired_children(
         control=control,
         resume_from=work.status.get("resumeFrom"),
         worker_env=policy.worker_env,
+        metrics_from=policy.metrics_from,
     )
 
 

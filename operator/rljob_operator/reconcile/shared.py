@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rljob_operator.api import RLJobSpec
-from rljob_operator.builders import LABEL_ROLE, Topology
+from rljob_operator.builders import LABEL_ROLE, METRICS_FROM_ANYWHERE, Topology
 from rljob_operator.kueue import Gate, Observation
 
 FINISHED = ("Succeeded", "Failed")
@@ -28,6 +28,8 @@ class Policy:
     scale_cooldown_seconds: float = 30.0
     progress_stale_seconds: float = 120.0
     worker_env: tuple[tuple[str, str], ...] = ()  # NCCL_* of the operator, passed to workers
+    # who may reach a job's metrics port (NetworkPolicyPeer objects); None: no NetworkPolicy
+    metrics_from: tuple[dict[str, Any], ...] | None = METRICS_FROM_ANYWHERE
 
 
 @dataclass(frozen=True)
