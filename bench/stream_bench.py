@@ -42,6 +42,7 @@ from bench.loopback import timed_send
 from bench.plotting import figure
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
 from rljob_workers.transport import ExperienceClient, ExperienceServer
+from rljob_workers.transport.authhttp import HTTPLimits
 from rljob_workers.transport.codec import decode_binary, encode_binary
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -129,7 +130,7 @@ def measure_stream(
     context = mp.get_context("spawn")
     go, sent = context.Event(), context.Queue()
     buffer = ExperienceBuffer(capacity=count + 1)
-    with ExperienceServer(TOKEN, buffer, max_body_bytes=256 << 20) as server:
+    with ExperienceServer(TOKEN, buffer, limits=HTTPLimits(max_body_bytes=256 << 20)) as server:
         processes = [
             context.Process(
                 target=_rollout,

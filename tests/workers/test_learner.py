@@ -1,6 +1,8 @@
 """The one learner both topologies train with, on the tiny model and on hand-made rows.
 
 Aspects under test:
+- the policy's ``vocab_size`` (what the experience server checks token ids against) is the
+  bound of the ids it can score;
 - the old log-probs are computed with dropout off, even when the policy was left in train mode;
 - ``kl_estimator: k1`` enters as a detached reward penalty (it moves the advantages, not the
   loss); k3 stays a loss term;
@@ -35,7 +37,7 @@ from rljob_workers.config import (
     WorkerConfig,
 )
 from rljob_workers.learner import Experience, Learner, compute_policy_loss
-from rljob_workers.policy import PolicyModel
+from rljob_workers.policy import PolicyModel, build_sequence_batch
 from rljob_workers.tinymodel import build_tiny_model
 from tests.workers.gloo_ranks import run_two_ranks
 
@@ -107,6 +109,18 @@ def _params(policy: PolicyModel) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ preparation
+
+
+def test_policy_vocab_size_bounds_the_token_ids_it_can_score(tiny_model):
+    policy = PolicyModel.from_pretrained(tiny_model)
+    last = policy.vocab_size - 1
+    score = build_sequence_batch([[1, 2]], [[last]], pad_id=PAD)
+    past = build_sequence_batch([[1, 2]], [[last + 1]], pad_id=PAD)
+
+    with torch.no_grad():
+        assert torch.isfinite(policy(score)[0]).all()
+        with pytest.raises(IndexError):
+            policy(past)
 
 
 def test_learner_old_logprobs_computed_with_dropout_off(tiny_model, tmp_path):

@@ -288,6 +288,12 @@ class PolicyModel(nn.Module):
             self.model.gradient_checkpointing_disable()
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids this policy can score are ``[0, vocab_size)``: its embedding's rows (an id
+        past them fails the forward pass; the experience server refuses such trajectories)."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
     def gradient_checkpointing(self) -> bool:
         """Whether activation recomputation is on."""
         return bool(getattr(self.model, "is_gradient_checkpointing", False))

@@ -5,7 +5,13 @@ Aspects under test:
   connection thread gives up and wins back the GIL once per answer, not once per write;
 - large chunked answers still arrive whole and intact behind buffered headers;
 - ``Expect: 100-continue`` (curl's large POSTs) gets its ``100 Continue`` before the body is sent;
-- keep-alive: several requests on one connection each get their complete answer.
+- keep-alive: several requests on one connection each get their complete answer;
+- a peer cannot hold the server: a connection that sends no request, or trickles its head or
+  body a byte at a time, is cut at the idle/body deadline (counted ``timeout``); a refused
+  request is answered without waiting for a large body; 300 idle connections hold no more than
+  ``max_connections`` threads (the oldest without the token are cut, counted ``evicted``) and a
+  client with the token still gets in; over a cap of token holders a connection is answered 503
+  with ``Retry-After`` and closed (counted ``connections``).
 """
 
 from __future__ import annotations
@@ -13,28 +19,79 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from rljob_workers.transport.authhttp import AuthenticatedHTTPServer, Response, json_response
+from rljob_workers.transport.authhttp import (
+    AuthenticatedHTTPServer,
+    HTTPLimits,
+    Response,
+    json_response,
+)
 
 TOKEN = "s3cret-job-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
+ECHO = {("POST", "/echo"): lambda r: json_response({"n": len(r.body)})}
+
+
+@contextlib.contextmanager
+def started(
+    routes: dict[tuple[str, str], Any], limits: HTTPLimits | None = None
+) -> Iterator[AuthenticatedHTTPServer]:
+    """The server answering ``routes`` within ``limits`` for the ``with`` block."""
+    server = AuthenticatedHTTPServer(TOKEN, routes, limits=limits)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @contextlib.contextmanager
 def serving(routes: dict[tuple[str, str], Any]) -> Iterator[tuple[str, int]]:
     """The server answering ``routes`` for the ``with`` block, which gets its address."""
-    server = AuthenticatedHTTPServer(TOKEN, routes)
-    server.start()
-    try:
+    with started(routes) as server:
         yield server.address
-    finally:
-        server.close()
+
+
+def read_until_closed(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes (the socket's timeout fails the test)."""
+    received = b""
+    while chunk := conn.recv(4096):
+        received += chunk
+    return received
+
+
+def trickle_until_cut(conn: socket.socket, start: bytes, give_up_s: float = 4.0) -> float:
+    """Send ``start``, then a byte every 0.1 s (each well within any per-read timeout) until
+    the server closes the connection; the seconds that took (``give_up_s`` if it never did)."""
+    began = time.monotonic()
+    conn.sendall(start)
+    while (elapsed := time.monotonic() - began) < give_up_s:
+        try:
+            if select.select([conn], [], [], 0.1)[0]:
+                if not conn.recv(4096):
+                    return elapsed
+            else:
+                conn.sendall(b"x")
+        except ConnectionError:
+            return elapsed
+    return give_up_s
+
+
+def wait_for(condition: Any, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
 
 
 @pytest.fixture
@@ -135,3 +192,85 @@ def test_authhttp_peer_that_goes_away_mid_answer_is_one_line_no_traceback(
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     gone = [r.getMessage() for r in caplog.records if "went away" in r.getMessage()]
     assert len(gone) == 1, gone
+
+
+def test_authhttp_connection_that_sends_no_request_is_closed_at_the_idle_timeout() -> None:
+    with (
+        started(ECHO, HTTPLimits(idle_timeout_s=0.3)) as server,
+        socket.create_connection(server.address, timeout=5) as conn,
+    ):
+        began = time.monotonic()
+        assert read_until_closed(conn) == b""
+        elapsed = time.monotonic() - began
+
+    assert 0.2 < elapsed < 3 and server.refused["timeout"] == 1
+
+
+def test_authhttp_request_head_trickled_a_byte_at_a_time_is_cut_at_the_deadline() -> None:
+    with (
+        started(ECHO, HTTPLimits(idle_timeout_s=0.5)) as server,
+        socket.create_connection(server.address, timeout=5) as conn,
+    ):
+        elapsed = trickle_until_cut(conn, b"POST /echo HTTP/1.1\r\nX-Pad: ")
+
+    assert elapsed < 3 and server.refused["timeout"] == 1
+
+
+def test_authhttp_body_trickled_a_byte_at_a_time_is_cut_at_the_body_deadline() -> None:
+    calls: list[int] = []
+    routes = {("POST", "/echo"): lambda r: calls.append(len(r.body)) or json_response({})}
+    head = (
+        f"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        "Content-Length: 10000\r\n\r\n"
+    ).encode()
+    with (
+        started(routes, HTTPLimits(body_timeout_s=0.5)) as server,
+        socket.create_connection(server.address, timeout=5) as conn,
+    ):
+        elapsed = trickle_until_cut(conn, head)
+
+    assert elapsed < 3 and server.refused["timeout"] == 1 and calls == []
+
+
+def test_authhttp_refused_request_answered_without_waiting_for_its_large_body() -> None:
+    with started(ECHO) as server, socket.create_connection(server.address, timeout=5) as conn:
+        conn.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+            b"Content-Length: 524288\r\n\r\n"
+        )  # and never the body
+        answer = read_until_closed(conn)
+
+    assert answer.startswith(b"HTTP/1.1 403") and server.refused["wrong_token"] == 1
+
+
+def test_authhttp_idle_connection_flood_holds_at_most_the_cap_and_a_client_still_gets_in() -> None:
+    threads_before = threading.active_count()
+    with started(ECHO, HTTPLimits(max_connections=16)) as server, contextlib.ExitStack() as idle:
+        for _ in range(300):
+            idle.enter_context(socket.create_connection(server.address, timeout=5))
+        assert wait_for(lambda: server.refused["evicted"] == 300 - 16), server.refused
+        # the server's own thread, and one per connection it still holds
+        assert wait_for(lambda: threading.active_count() - threads_before <= 1 + 16)
+
+        conn = http.client.HTTPConnection(*server.address, timeout=5)
+        conn.request("POST", "/echo", body=b"abc", headers=HEADERS)
+        answer = conn.getresponse()
+        assert (answer.status, json.loads(answer.read())) == (200, {"n": 3})
+        conn.close()
+
+
+def test_authhttp_connection_over_a_cap_of_token_holders_gets_503_and_is_closed() -> None:
+    with started(ECHO, HTTPLimits(max_connections=2)) as server:
+        holders = [http.client.HTTPConnection(*server.address, timeout=5) for _ in range(2)]
+        for conn in holders:
+            conn.request("POST", "/echo", body=b"x", headers=HEADERS)
+            conn.getresponse().read()
+        with socket.create_connection(server.address, timeout=5) as extra:
+            answer = read_until_closed(extra)
+        holders[0].request("POST", "/echo", body=b"xy", headers=HEADERS)
+        still_served = holders[0].getresponse().status
+        for conn in holders:
+            conn.close()
+
+    assert answer.startswith(b"HTTP/1.1 503") and b"\r\nRetry-After: 1\r\n" in answer
+    assert server.refused["connections"] == 1 and still_served == 200

@@ -14,7 +14,11 @@ Aspects under test:
 - backpressure: hold exactly when ``current - version > max_versions`` (the buffer's drop rule;
   at bound 0 a rollout on the current version generates), never without a bound;
 - stale trajectories are acked (no endless retry) but dropped by the buffer and counted;
-- malformed batches get 400 naming the line and field; a full client refuses more submits.
+- malformed batches get 400 naming the line and field; a full client refuses more submits;
+- a batch (JSON lines or binary) with a token id outside the policy's vocabulary is refused 400
+  as a whole and counted, and the server goes on serving the next batch;
+- the client reopens a connection idle past the server's announced keep-alive timeout instead
+  of failing on it and retrying.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
+import numpy
 import pytest
 
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
@@ -37,6 +42,8 @@ from rljob_workers.transport import (
     ExperienceServer,
     should_hold,
 )
+from rljob_workers.transport.authhttp import HTTPLimits
+from rljob_workers.transport.codec import BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE, encode_batch
 
 TOKEN = "s3cret-job-token"
 
@@ -188,7 +195,7 @@ def test_server_request_without_job_token_refused_and_counted(
 
 def test_server_health_probe_needs_no_token(server) -> None:
     assert raw_request(server.url, "GET", "/healthz", {}) == 200
-    assert server.refused == {"missing_token": 0, "wrong_token": 0}
+    assert not any(server.refused.values()), server.refused
 
 
 def test_client_wrong_token_raises_auth_error_without_retrying(server, buffer) -> None:
@@ -330,6 +337,38 @@ def test_server_malformed_batch_answered_400_naming_line_and_field(server) -> No
     assert response.status == 400
     assert "line 1: field 'policy_version'" in json.loads(response.read())["error"]
     conn.close()
+
+
+@pytest.mark.parametrize("content_type", [JSON_CONTENT_TYPE, BINARY_CONTENT_TYPE])
+@pytest.mark.parametrize("bad_id", [-1, 16], ids=["negative", "vocab-size"])
+def test_server_token_id_outside_vocabulary_refused_400_counted_and_serving_goes_on(
+    buffer, content_type, bad_id
+) -> None:
+    bad = replace(make_trajectory(1), response_ids=numpy.array([bad_id, 7], dtype=numpy.int32))
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": content_type}
+    with ExperienceServer(TOKEN, buffer, vocab_size=16) as server:
+        url, path = server.url, "/v1/experience"
+        refused = raw_request(url, "POST", path, headers, encode_batch([bad], content_type))
+        good = [make_trajectory(2), make_trajectory(15)]
+        served = raw_request(url, "POST", path, headers, encode_batch(good, content_type))
+        kept = buffered_ids(server, buffer)
+
+    assert (refused, served) == (400, 200) and kept == ["r0-2", "r0-15"]
+    assert (server.stats.malformed, server.stats.out_of_vocab) == (1, 1)
+
+
+def test_client_connection_idle_past_the_servers_keepalive_is_reopened_without_retry(
+    buffer,
+) -> None:
+    with ExperienceServer(TOKEN, buffer, limits=HTTPLimits(idle_timeout_s=0.3)) as server:
+        client = ExperienceClient(server.url, TOKEN)
+        client.send([make_trajectory(0)], timeout_s=5)
+        time.sleep(0.6)  # the server has closed the idle connection
+        client.send([make_trajectory(1)], timeout_s=5)
+        client.close()
+
+    assert client.stats.acked == 2 and client.stats.retries == 0
+    assert server.refused["timeout"] == 0  # a token holder's idle keep-alive is no refusal
 
 
 def test_client_submit_beyond_max_pending_raises_buffer_error() -> None:

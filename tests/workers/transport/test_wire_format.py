@@ -196,7 +196,9 @@ def test_json_codec_token_id_beyond_int32_names_line_trajectory_and_field() -> N
         (lambda body: body[:-3], "frame 2: frame needs"),
         (lambda body: b"XXXX" + body[4:], "expected magic"),
         (lambda body: body + b"\0", "1 bytes after the last frame"),
+        (lambda body: body[:12] + b"\xff" * 4 + body[16:], "frame 1: frame needs"),
     ],
+    ids=["truncated", "bad-magic", "trailing-bytes", "4g-prompt-ids-declared"],
 )
 def test_binary_codec_damaged_batch_error_names_frame(mangle, message) -> None:
     body = encode_binary([make_trajectory(0), make_trajectory(1)])

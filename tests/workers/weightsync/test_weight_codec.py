@@ -8,10 +8,18 @@ Aspects under test:
   |err| <= |x|·2⁻⁴ + s·2⁻¹⁰), back in their original dtypes; integer tensors stay exact;
 - an all-zero tensor survives fp8; non-finite values are refused with the tensor's name;
 - an uncompressed payload is a plain safetensors file other readers load directly;
-- ``named_tensors`` loads into a model of the same architecture.
+- ``named_tensors`` loads into a model of the same architecture;
+- a payload whose header declares more than it holds (a header or tensor longer than the
+  payload, a negative dimension) is refused before memory is taken for it.
 """
 
 from __future__ import annotations
+
+import io
+import json
+import struct
+import tracemalloc
+from collections.abc import Sequence
 
 import pytest
 import safetensors.torch
@@ -19,7 +27,7 @@ import torch
 from torch import nn
 
 from rljob_workers.weightsync import decode_weights, encode_weights
-from rljob_workers.weightsync.codec import fp8_scale
+from rljob_workers.weightsync.codec import TensorPool, fp8_scale, read_payload
 
 
 class Tiny(nn.Module):
@@ -111,3 +119,53 @@ def test_decoded_named_tensors_load_into_same_architecture() -> None:
 def test_decode_weights_not_a_weights_payload_refused() -> None:
     with pytest.raises(ValueError, match=r"no rljob\.version"):
         decode_weights(safetensors.torch.save({"a": torch.zeros(2)}))
+
+
+class RecordingPool(TensorPool):
+    """A pool that records every tensor the reader asks it for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken: list[tuple[int, ...]] = []
+
+    def take(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        self.taken.append(tuple(shape))
+        if sum(shape) > 1 << 16:
+            raise AssertionError(f"the reader allocated a declared shape {tuple(shape)}")
+        return super().take(key, shape, dtype)
+
+
+def forged_payload(entry: dict[str, object], data: bytes) -> bytes:
+    header = json.dumps({"__metadata__": {"rljob.version": "1"}, "w": entry}).encode()
+    return struct.pack("<Q", len(header)) + header + data
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 4 << 40]},
+        {"dtype": "F32", "shape": [1 << 20], "data_offsets": [0, 4 << 20]},
+        {"dtype": "F32", "shape": [-4, 1], "data_offsets": [0, 16]},
+    ],
+    ids=["terabytes", "megabytes-of-16", "negative-dimension"],
+)
+def test_read_payload_tensor_over_what_the_payload_holds_refused_before_allocating(entry) -> None:
+    payload = forged_payload(entry, bytes(16))
+    pool = RecordingPool()
+
+    with pytest.raises(ValueError, match="tensor 'w'"):
+        read_payload(io.BytesIO(payload).readinto, wire_bytes=len(payload), pool=pool)
+    assert pool.taken == []
+
+
+def test_read_payload_header_longer_than_the_payload_refused_before_allocating() -> None:
+    payload = struct.pack("<Q", 90 << 20) + bytes(100)  # declares a 90 MiB header
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="header"):
+            read_payload(io.BytesIO(payload).readinto, wire_bytes=len(payload))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20

@@ -2,19 +2,31 @@
 
 Routes are plain functions ``Request -> Response`` keyed by ``(method, path)``; this module does
 the rest: one thread per connection (keep-alive), the job token checked on every request except
-the unauthenticated ``public_paths`` (health probes), refusals counted by reason, a body size
-limit, and a ``close`` that also cuts open keep-alive connections so a stopped server really
-stops answering (what a restarted trainer looks like to its clients).
+the unauthenticated ``public_paths`` (health probes), refusals counted by reason, and a ``close``
+that also cuts open keep-alive connections so a stopped server really stops answering (what a
+restarted trainer looks like to its clients).
+
+A peer without the token cannot hold the server (``HTTPLimits``): the token is checked before
+the body is read, and a refused request's body is read only up to a small drain limit; each
+request head must arrive within ``idle_timeout_s`` of the connection going idle and each body
+within ``body_timeout_s`` of its head, as deadlines (a byte every few seconds does not extend
+them); at most ``max_connections`` connections are open. A connection over the cap first cuts the
+oldest open connection that never sent the token (an idle or trickling peer), so a flood of idle
+connections neither takes a thread each nor keeps the rollouts out; when every open connection
+has sent the token, the new one is answered 503 with ``Retry-After`` and closed at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import math
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,10 +35,51 @@ from urllib.parse import parse_qsl, urlsplit
 
 from rljob_workers.transport.auth import AuthVerdict, check_bearer
 
-__all__ = ["AuthenticatedHTTPServer", "BadRequest", "Request", "Response", "json_response"]
+__all__ = [
+    "REFUSAL_REASONS",
+    "AuthenticatedHTTPServer",
+    "BadRequest",
+    "HTTPLimits",
+    "Request",
+    "Response",
+    "json_response",
+]
 
 _log = logging.getLogger(__name__)
-_DRAIN_LIMIT = 1 << 20
+_DRAIN_LIMIT = 64 << 10
+"""Most body bytes read of a refused request (so its client reads the refusal, not a reset)."""
+_RETRY_AFTER_S = 1
+REFUSAL_REASONS = ("missing_token", "wrong_token", "connections", "evicted", "timeout")
+"""What ``AuthenticatedHTTPServer.refused`` counts: requests without the token (401) or with a
+wrong one (403); connections answered 503 over the cap, cut to make room under it (they never
+sent the token), or cut at a deadline (a request head or body not received in time)."""
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """What one peer may take of a server.
+
+    Args:
+        max_body_bytes: larger request bodies are answered 413 without being read.
+        idle_timeout_s: a connection's next request head must be complete this long after the
+            connection opened or its last answer was sent (keep-alive idle); also the longest
+            an answer's write waits for a peer that reads nothing. Announced to clients in
+            ``Keep-Alive: timeout=N``.
+        body_timeout_s: a request body must be complete this long after its head.
+        max_connections: most connections open at once (a thread each). The default leaves
+            room for the largest job: 1024 rollouts each holding one connection per server.
+    """
+
+    max_body_bytes: int = 64 << 20
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 2048
+
+    def __post_init__(self) -> None:
+        if min(self.idle_timeout_s, self.body_timeout_s) <= 0 or self.max_connections < 1:
+            raise ValueError(
+                f"HTTPLimits: timeouts must be > 0 and max_connections >= 1, got {self}"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,21 +132,49 @@ class _ThreadingServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     block_on_close = False
+    # every rollout reconnects at once after a trainer restart: socketserver's backlog of 5
+    # would drop their SYNs, each retried only after a second
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], owner: AuthenticatedHTTPServer) -> None:
         self.owner = owner
-        self.connections: set[socket.socket] = set()
+        self.connections: dict[socket.socket, bool] = {}
+        """Open connections, oldest first, each with whether its peer has sent the token."""
         self.connections_lock = threading.Lock()
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self.connections_lock:
-            self.connections.add(request)
+            admitted = self._admit(request)
+        if not admitted:
+            self.owner.count_refusal("connections")
+            _turn_away(request)
+            return
         super().process_request(request, client_address)
+
+    def _admit(self, request: socket.socket) -> bool:
+        """Whether there is room for ``request``: under the cap, or made by cutting the oldest
+        connection that never sent the token. Called holding ``connections_lock``."""
+        if len(self.connections) >= self.owner.limits.max_connections:
+            idle = next((conn for conn, proven in self.connections.items() if not proven), None)
+            if idle is None:
+                return False
+            del self.connections[idle]
+            self.owner.count_refusal("evicted")
+            with contextlib.suppress(OSError):
+                idle.shutdown(socket.SHUT_RDWR)  # its thread reads the end and leaves
+        self.connections[request] = False
+        return True
+
+    def prove(self, request: socket.socket) -> None:
+        """Mark ``request``'s peer as one that sent the token: it is never cut for room."""
+        with self.connections_lock:
+            if request in self.connections:
+                self.connections[request] = True
 
     def shutdown_request(self, request: Any) -> None:
         with self.connections_lock:
-            self.connections.discard(request)
+            self.connections.pop(request, None)
         super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -113,6 +194,62 @@ class _ThreadingServer(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
 
 
+def _turn_away(conn: socket.socket) -> None:
+    """Answer 503 without a thread: the answer fits any socket buffer, so nothing waits."""
+    body = b'{"error":"too many connections"}'
+    answer = (
+        f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: {_RETRY_AFTER_S}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(answer)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(_DRAIN_LIMIT)  # closing over unread bytes would reset, losing the 503
+    conn.close()
+
+
+class _DeadlineInput(io.RawIOBase):
+    """A connection's input whose reads all end by ``deadline`` (monotonic seconds), however the
+    peer spaces its bytes: a per-read timeout alone lets a byte every few seconds hold the
+    connection's thread for ever."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        super().__init__()
+        self._connection = connection
+        self._raw = connection.makefile("rb", buffering=0)
+        self.deadline = math.inf
+        self.mid_request = False
+        """Whether a request is under way (a byte of its head arrived, or its body is due)."""
+        self.timed_out = False
+
+    def expect(self, within_s: float, *, mid_request: bool) -> None:
+        """The next bytes are due within ``within_s`` seconds from now."""
+        self.deadline = time.monotonic() + within_s
+        self.mid_request = mid_request
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        try:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("request not received in time")
+            self._connection.settimeout(remaining)
+            count = self._raw.readinto(buffer)
+        except TimeoutError:
+            self.timed_out = True
+            raise
+        self.mid_request = self.mid_request or bool(count)
+        return count
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     # Headers and body go out in two writes; with Nagle on, the body waits for the client's
@@ -125,6 +262,22 @@ class _Handler(BaseHTTPRequestHandler):
     # still go straight to the socket.
     wbufsize = 1 << 16
     server: _ThreadingServer
+    proven = False
+    """Whether this connection's peer has sent the token."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.input = _DeadlineInput(self.connection)
+        self.rfile = io.BufferedReader(self.input)
+
+    def handle_one_request(self) -> None:
+        """One request, its head due within the idle timeout; a connection cut at a deadline
+        is counted unless it was a token holder's idle keep-alive."""
+        self.input.expect(self.server.owner.limits.idle_timeout_s, mid_request=False)
+        super().handle_one_request()
+        if self.input.timed_out and (self.input.mid_request or not self.proven):
+            self.server.owner.count_refusal("timeout")
 
     def handle_expect_100(self) -> bool:
         """Send ``100 Continue`` now, not at the answer's flush (curl waits for it)."""
@@ -147,9 +300,12 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path not in owner.public_paths:
             verdict = check_bearer(self.headers.get("Authorization"), owner.token)
             if verdict is not AuthVerdict.OK:
-                owner.count_refusal(verdict)
+                owner.count_refusal(verdict.value)
                 self._refuse(verdict)
                 return
+            if not self.proven:
+                self.proven = True
+                self.server.prove(self.connection)
         response = self._route(method, url.path, dict(parse_qsl(url.query)))
         self._send(response)
 
@@ -163,9 +319,10 @@ class _Handler(BaseHTTPRequestHandler):
         if length < 0:
             self.close_connection = True
             return json_response({"error": "Content-Length: expected a non-negative integer"}, 400)
-        if length > owner.max_body_bytes:
+        if length > owner.limits.max_body_bytes:
             self.close_connection = True
-            return json_response({"error": f"body over {owner.max_body_bytes} bytes"}, 413)
+            return json_response({"error": f"body over {owner.limits.max_body_bytes} bytes"}, 413)
+        self.input.expect(owner.limits.body_timeout_s, mid_request=True)
         body = self.rfile.read(length) if length else b""
         try:
             return route(Request(method, path, query, body, dict(self.headers.items())))
@@ -178,6 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _refuse(self, verdict: AuthVerdict) -> None:
         length = _content_length(self.headers.get("Content-Length"))
         if 0 < length <= _DRAIN_LIMIT:
+            self.input.expect(self.server.owner.limits.body_timeout_s, mid_request=True)
             self.rfile.read(length)
         self.close_connection = True
         status = 401 if verdict is AuthVerdict.MISSING else 403
@@ -185,6 +343,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(json_response({"error": verdict.value}, status, headers))
 
     def _send(self, response: Response) -> None:
+        self.connection.settimeout(self.server.owner.limits.idle_timeout_s)
         try:
             self._write(response)
         finally:
@@ -205,6 +364,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         if self.close_connection:
             self.send_header("Connection", "close")
+        else:
+            self.send_header("Keep-Alive", f"timeout={self.server.owner.limits.idle_timeout_s:g}")
         self.end_headers()
         if response.body:
             self.wfile.write(response.body)
@@ -223,8 +384,8 @@ def _content_length(header: str | None) -> int:
 class AuthenticatedHTTPServer:
     """Serve ``routes`` on ``host:port`` (port 0 picks a free one) behind the job token.
 
-    ``refused`` counts refused requests by reason (``missing_token`` answered 401,
-    ``wrong_token`` answered 403). Use as a context manager or call ``start``/``close``.
+    ``refused`` counts refusals by reason (``REFUSAL_REASONS``); ``limits`` bound what one
+    peer may take (``HTTPLimits``). Call ``start``/``close``.
     """
 
     def __init__(
@@ -234,7 +395,7 @@ class AuthenticatedHTTPServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_body_bytes: int = 64 << 20,
+        limits: HTTPLimits | None = None,
         public_paths: frozenset[str] = frozenset({"/healthz"}),
     ) -> None:
         if not token:
@@ -242,9 +403,9 @@ class AuthenticatedHTTPServer:
         self.token = token
         self.routes = dict(routes)
         self.routes.setdefault(("GET", "/healthz"), lambda _: json_response({"ok": True}))
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits or HTTPLimits()
         self.public_paths = public_paths
-        self.refused: dict[str, int] = {"missing_token": 0, "wrong_token": 0}
+        self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         self.closing = threading.Event()
         self._refused_lock = threading.Lock()
         self._server = _ThreadingServer((host, port), self)
@@ -262,10 +423,10 @@ class AuthenticatedHTTPServer:
         host, port = self.address
         return f"http://{host}:{port}"
 
-    def count_refusal(self, verdict: AuthVerdict) -> None:
-        """Count one refused request (called by the request handler)."""
+    def count_refusal(self, reason: str) -> None:
+        """Count one refusal, ``reason`` one of ``REFUSAL_REASONS``."""
         with self._refused_lock:
-            self.refused[verdict.value] += 1
+            self.refused[reason] += 1
 
     def start(self) -> None:
         """Start serving on a daemon thread."""

@@ -12,9 +12,11 @@ One client per rollout worker thread; it is not thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -111,6 +113,7 @@ class ExperienceClient:
         self.last_policy_version: int | None = None
         self._pending: dict[str, Trajectory] = {}
         self._conn: http.client.HTTPConnection | None = None
+        self._reuse_until = math.inf
         self._rng = random.Random(seed)
         self._clock = clock
 
@@ -232,6 +235,8 @@ class ExperienceClient:
             raise _Retryable(f"{type(err).__name__}: {err}") from None
         if response.will_close:
             self.close()
+        else:
+            self._reuse_until = time.monotonic() + _reuse_window(response.getheader("Keep-Alive"))
         if response.status == 200:
             announced = response.getheader(FORMATS_HEADER) or ""
             self._server_formats = frozenset(f.strip() for f in announced.split(",") if f.strip())
@@ -256,6 +261,8 @@ class ExperienceClient:
         return json.loads(payload)
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self._conn is not None and time.monotonic() > self._reuse_until:
+            self.close()  # the server has closed it by now, or is about to
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
         else:
@@ -263,3 +270,15 @@ class ExperienceClient:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout)
         return self._conn
+
+
+def _reuse_window(keep_alive: str | None) -> float:
+    """How long an idle connection may be reused: half the ``timeout`` a server announces in
+    ``Keep-Alive`` (it closes idle connections then; half leaves room for the request's
+    transit), unbounded when it announces none (a server from before idle timeouts)."""
+    for param in (keep_alive or "").split(","):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "timeout":
+            with contextlib.suppress(ValueError):
+                return float(value) / 2
+    return math.inf

@@ -6,7 +6,9 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <job token>``):
   says (see ``codec``; no ``Content-Type`` means JSON lines; any other type is answered 415).
   Every trajectory is offered to
   the sink before the answer is sent, so an ack means "accepted into the buffer" (or dropped
-  for a reason retrying cannot fix: stale, expired, capacity). Answer::
+  for a reason retrying cannot fix: stale, expired, capacity). A batch that does not decode, or
+  with a token id outside the policy's vocabulary ``[0, vocab_size)``, is answered 400 as a
+  whole (counted in ``stats``: ``malformed``, ``out_of_vocab``). Answer::
 
       {"acked": [ids...], "accepted": 3, "duplicates": 1, "dropped": 0, "policy_version": 7}
 
@@ -47,12 +49,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import TracebackType
 
-from rljob_workers.buffer import ExperienceBuffer, Trajectory
+from rljob_workers.buffer import ExperienceBuffer, TokenIds, Trajectory
 from rljob_workers.dedup import SeenIds
 from rljob_workers.staleness import must_hold
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
     BadRequest,
+    HTTPLimits,
     Request,
     Response,
     json_response,
@@ -86,6 +89,10 @@ class ServerStats:
     duplicates: int = 0
     dropped: int = 0
     bytes_received: int = 0
+    malformed: int = 0
+    """Batches answered 400: undecodable, or holding token ids outside the vocabulary."""
+    out_of_vocab: int = 0
+    """Trajectories with a token id outside the vocabulary (each refused with its batch)."""
 
 
 class ExperienceServer:
@@ -100,6 +107,9 @@ class ExperienceServer:
         clock: wall-clock seconds, the clock trajectories' ``created_at`` is on.
         formats: the batch media types accepted and announced (default: binary and JSON
             lines); JSON lines alone behaves like a server from before the binary format.
+        vocab_size: the policy's vocabulary size; a batch with a token id outside
+            ``[0, vocab_size)`` is refused (400). None (no model at hand: tests) checks nothing.
+        limits: what one connection may take (``HTTPLimits``: body size, timeouts, cap).
 
     The trainer must hold ``locked()`` while it reads or takes from a buffer sink.
     """
@@ -113,8 +123,9 @@ class ExperienceServer:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.time,
-        max_body_bytes: int = 64 << 20,
         formats: tuple[str, ...] = (BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE),
+        vocab_size: int | None = None,
+        limits: HTTPLimits | None = None,
     ) -> None:
         unknown = set(formats) - {BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE}
         if unknown or not formats:
@@ -126,15 +137,14 @@ class ExperienceServer:
         self._formats_header = {FORMATS_HEADER: ", ".join(formats)}
         self.sink = sink
         self.max_versions = max_versions
+        self.vocab_size = vocab_size
         self.stats = ServerStats()
         self._clock = clock
         self._version = 0
         self._seen = SeenIds(max_versions)
         self._lock = threading.Lock()
         routes = {("POST", "/v1/experience"): self._receive, ("GET", "/v1/control"): self._control}
-        self._http = AuthenticatedHTTPServer(
-            token, routes, host=host, port=port, max_body_bytes=max_body_bytes
-        )
+        self._http = AuthenticatedHTTPServer(token, routes, host=host, port=port, limits=limits)
 
     @property
     def url(self) -> str:
@@ -148,7 +158,7 @@ class ExperienceServer:
 
     @property
     def refused(self) -> dict[str, int]:
-        """Refused requests by reason: ``missing_token`` (401), ``wrong_token`` (403)."""
+        """Refused requests and connections by reason (``authhttp.REFUSAL_REASONS``)."""
         return dict(self._http.refused)
 
     @property
@@ -202,7 +212,9 @@ class ExperienceServer:
         try:
             trajectories = decode_batch(request.body, content_type)
         except ValueError as err:
+            self._count_refused(malformed=1)
             raise BadRequest(str(err)) from None
+        self._check_vocabulary(trajectories)
         trajectories = self._on_own_clock(trajectories, _header(request, SENT_AT_HEADER))
         with self._lock:
             if self._http.closing.is_set():
@@ -216,6 +228,32 @@ class ExperienceServer:
         return json_response(
             {"acked": acked, **counts, "policy_version": version}, headers=self._formats_header
         )
+
+    def _check_vocabulary(self, trajectories: list[Trajectory]) -> None:
+        """``BadRequest`` naming the first trajectory with a token id outside the vocabulary
+        (one would index past the policy's embedding), after counting every such one."""
+        if self.vocab_size is None:
+            return
+        found = [
+            (t.id, bad)
+            for t in trajectories
+            if (bad := _outside(t.prompt_ids, self.vocab_size)) is not None
+            or (bad := _outside(t.response_ids, self.vocab_size)) is not None
+        ]
+        if found:
+            self._count_refused(malformed=1, out_of_vocab=len(found))
+            (first, token), more = found[0], len(found) - 1
+            raise BadRequest(
+                f"trajectory {first!r}: token id {token} outside the vocabulary "
+                f"[0, {self.vocab_size}) of the trainer's policy"
+                + (f" ({more} more trajectories too)" if more else "")
+                + "; the rollout must generate with the trainer's model and tokenizer"
+            )
+
+    def _count_refused(self, *, malformed: int, out_of_vocab: int = 0) -> None:
+        with self._lock:
+            self.stats.malformed += malformed
+            self.stats.out_of_vocab += out_of_vocab
 
     def _on_own_clock(
         self, trajectories: list[Trajectory], sent_at: str | None
@@ -273,6 +311,14 @@ class ExperienceServer:
             },
             headers=self._formats_header,
         )
+
+
+def _outside(ids: TokenIds, vocab_size: int) -> int | None:
+    """A token id of ``ids`` outside ``[0, vocab_size)``, if any (one pass each way)."""
+    if not ids.size:
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    return low if low < 0 else high if high >= vocab_size else None
 
 
 def _header(request: Request, name: str) -> str | None:

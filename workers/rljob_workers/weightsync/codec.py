@@ -691,12 +691,20 @@ def read_payload(
     (``readinto`` of a file, socket or ``http.client`` response). Any safetensors file with our
     metadata is accepted, whoever wrote it. With ``pool`` the tensors are taken from it: they
     stay valid until the next read with the same pool.
+
+    Every declared size is checked before memory is taken for it: the header against
+    ``_MAX_HEADER`` and ``wire_bytes``, each tensor against its byte range, which must follow
+    the one before and end within ``wire_bytes`` (when known).
     """
     prefix = bytearray(8)
     _fill(read_into, memoryview(prefix), "the header length")
     (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > _MAX_HEADER:
-        raise ValueError(f"weights payload: header of {header_len} bytes is not plausible")
+    room = math.inf if wire_bytes is None else wire_bytes - 8
+    if header_len > min(_MAX_HEADER, room):
+        raise ValueError(
+            f"weights payload: header of {header_len} bytes is not plausible "
+            f"({wire_bytes} bytes in all)"
+        )
     raw_header = bytearray(header_len)
     _fill(read_into, memoryview(raw_header), "the header")
     header = json.loads(raw_header)
@@ -708,11 +716,13 @@ def read_payload(
         raise ValueError(f"weights payload: unknown compression {compression!r}")
     dtypes = json.loads(metadata.get("rljob.dtypes", "{}"))
     scales = json.loads(metadata.get("rljob.scales", "{}"))
+    layouts = sorted(_layout(name, entry) for name, entry in header.items())
     wire: dict[str, torch.Tensor] = {}
     position = 0
-    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-        wire[name] = _read_tensor(read_into, name, entry, position, pool)
-        position = entry["data_offsets"][1]
+    for layout in layouts:
+        layout.check(position, room - header_len)
+        wire[layout.name] = _read_tensor(read_into, layout, pool)
+        position = layout.end
     return DecodedWeights(
         version=int(metadata["rljob.version"]),
         compression=compression,
@@ -725,23 +735,44 @@ def read_payload(
     )
 
 
-def _read_tensor(
-    read_into: ReadInto, name: str, entry: Any, position: int, pool: TensorPool | None
-) -> torch.Tensor:
+@dataclass(frozen=True, order=True)
+class _Layout:
+    """Where one tensor of a payload lies, as its header entry declares (data bytes from
+    ``start`` to ``end``, counted from the end of the header)."""
+
+    start: int
+    end: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = field(compare=False)
+
+    def check(self, position: int, room: float) -> None:
+        """``ValueError`` unless the tensor follows byte ``position``, holds exactly its
+        shape's bytes and ends within ``room`` data bytes."""
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        if self.start != position or self.end - self.start != nbytes or self.end > room:
+            within = f" within the {room} bytes of data sent" if math.isfinite(room) else ""
+            raise ValueError(
+                f"weights payload: tensor {self.name!r} at bytes {self.start}..{self.end} does "
+                f"not follow byte {position} with {nbytes} bytes{within}"
+            )
+
+
+def _layout(name: str, entry: Any) -> _Layout:
     try:
-        start, end = entry["data_offsets"]
-        dtype = _TORCH_DTYPES[entry["dtype"]]
-        shape = [int(d) for d in entry["shape"]]
+        start, end = (int(offset) for offset in entry["data_offsets"])
+        shape = tuple(int(d) for d in entry["shape"])
+        if min(shape, default=0) < 0:
+            raise ValueError("a negative dimension")
+        return _Layout(start, end, name, shape, _TORCH_DTYPES[entry["dtype"]])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"weights payload: tensor {name!r} has a malformed header entry") from None
-    tensor = _take(pool, f"{name}#wire", shape, dtype)
-    if start != position or end - start != tensor.numel() * tensor.element_size():
-        raise ValueError(
-            f"weights payload: tensor {name!r} at bytes {start}..{end} does not follow byte "
-            f"{position} with {tensor.numel() * tensor.element_size()} bytes"
-        )
+
+
+def _read_tensor(read_into: ReadInto, layout: _Layout, pool: TensorPool | None) -> torch.Tensor:
+    tensor = _take(pool, f"{layout.name}#wire", layout.shape, layout.dtype)
     if tensor.numel():
-        _fill(read_into, _byte_view(tensor), f"tensor {name!r}")
+        _fill(read_into, _byte_view(tensor), f"tensor {layout.name!r}")
     return tensor
 
 

@@ -44,6 +44,7 @@ from rljob_workers.transport.auth import AuthError, bearer_header, http_endpoint
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
     BadRequest,
+    HTTPLimits,
     Request,
     Response,
     json_response,
@@ -116,6 +117,7 @@ class WeightServer:
         port: int = 0,
         clock: Callable[[], float] = time.time,
         spool_dir: str | os.PathLike[str] | None = None,
+        limits: HTTPLimits | None = None,
     ) -> None:
         self.compression: Compression = compression
         self._clock = clock
@@ -131,7 +133,7 @@ class WeightServer:
             ("GET", "/v1/weights/latest"): self._latest,
             ("GET", "/v1/weights/version"): self._version_route,
         }
-        self._http = AuthenticatedHTTPServer(token, routes, host=host, port=port)
+        self._http = AuthenticatedHTTPServer(token, routes, host=host, port=port, limits=limits)
 
     @property
     def url(self) -> str:
@@ -140,7 +142,7 @@ class WeightServer:
 
     @property
     def refused(self) -> dict[str, int]:
-        """Refused requests by reason: ``missing_token`` (401), ``wrong_token`` (403)."""
+        """Refused requests and connections by reason (``authhttp.REFUSAL_REASONS``)."""
         return dict(self._http.refused)
 
     @property
