@@ -4,7 +4,8 @@
   versions past that one (both ranks agree): no version names two sets of weights;
 - experience generated with the newest published weights is not "behind -1" (staleness is
   never negative) after the restart;
-- experience ahead of the trainer's version (the note lost) moves the trainer past it.
+- experience ahead of the trainer's version (the note lost) moves the trainer past it;
+- rank 1 trains on rank 0's batch (the same samples, rewards and staleness in its records).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def test_trainer_group_resumed_from_older_checkpoint_never_repeats_a_version(
         assert seen["resumed"]["versions"] == [5]
     leader = ranks[0]["resumed"]
     assert leader["behind"] == [1.0]  # version-3 experience, trained by version 4
+    for phase, steps in (("first", 3), ("resumed", 1)):  # rank 1 trained on rank 0's batches
+        assert ranks[1][phase]["batches"] == ranks[0][phase]["batches"]
+        assert [b["samples"] for b in ranks[1][phase]["batches"]] == [4] * steps
 
 
 def test_trainer_experience_ahead_of_its_version_moves_past_it(

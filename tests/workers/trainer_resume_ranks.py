@@ -16,6 +16,9 @@ from rljob_workers.trainer_worker import TrainerWorker
 from rljob_workers.transport import ExperienceClient
 from tests.workers.test_disaggregated import TOKEN, _synthetic_group
 
+BATCH_KEYS = ("samples", "groups", "reward_mean", "trained_reward_mean", "staleness_histogram")
+"""Step-record values every rank derives from the batch rank 0 broadcast."""
+
 
 def _group(config: WorkerConfig, worker: TrainerWorker, name: str, version: int) -> None:
     if worker.leader:
@@ -48,6 +51,7 @@ def _run(out: Path, phase: str, groups: list[int]) -> dict[str, object]:
                 records.append(worker.train_step())
             seen["versions"] = [r["policy_version"] for r in records]
             seen["behind"] = [r["policy_lag_versions"] for r in records]
+            seen["batches"] = [{k: r[k] for k in BATCH_KEYS} for r in records]
         finally:
             worker.close()
     return seen

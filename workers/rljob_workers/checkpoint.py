@@ -14,8 +14,9 @@ fsynced); once all ranks are done, rank 0 writes ``state.json`` and renames the 
 place. A rank killed at any point leaves the previous checkpoints as the resume point, never a
 partial one. Only the newest ``keep`` checkpoints are kept, and besides them the best one by
 score (the smoothed task reward at its step, see ``collapse.py``): ``best.json`` beside the
-checkpoints names it, so a run that collapses late keeps its good policy. Nothing is unpickled
-on load.
+checkpoints names it, so a run that collapses late keeps its good policy. Nothing the module
+reads itself is unpickled (``weights_only=True``); torch's DCP reader unpickles ``dcp/.metadata``
+and coordinates multi-rank saves and loads with pickled plans (see docs/known-limits.md).
 
 Checkpoints of the first release (``<module>.safetensors``, ``optim-<name>.pt``, ``rng.pt``;
 no ``format`` in ``state.json``) still resume, into either layout.

@@ -46,6 +46,7 @@ from rljob_workers.checkpoint import (
     resume_point,
     save_checkpoint,
 )
+from rljob_workers.collective import broadcast_json
 from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.ddp import global_sum, trainer_process_group
@@ -292,9 +293,9 @@ class ColocatedRuntime:
         control = Control() if self.control is None else self.control.poll()
         if not self.distributed:
             return control
-        box: list[Any] = [control.model_dump() if self.env.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return Control.model_validate(box[0])
+        return Control.model_validate(
+            broadcast_json(control.model_dump(mode="json") if self.env.rank == 0 else None)
+        )
 
     def _await_control(self) -> tuple[Control, float]:
         """The control in force for this step, after any pause; returns it and the pause s."""

@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from rljob_workers.collective import collective_device
 from rljob_workers.config import (
     GradientCompressionConfig,
     ProcessEnv,
@@ -215,8 +216,7 @@ def global_max(values: list[float], *, distributed: bool) -> list[float]:
     unchanged without ``distributed``."""
     if not distributed:
         return list(values)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [float(v) for v in tensor.cpu()]
 
@@ -228,7 +228,6 @@ def global_sum(values: list[float], *, distributed: bool) -> list[float]:
     """
     if not distributed:
         return list(values)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor)
     return [float(v) for v in tensor.cpu()]

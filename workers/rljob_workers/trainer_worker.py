@@ -6,7 +6,8 @@ One training step, on every rank of the trainer group:
    (evicting what is more than ``max_versions`` behind or older than the age limits; with DAPO
    dynamic sampling, groups without learning signal are dropped and more are awaited). It never
    waits for a particular rollout; while the buffer is short it reports ``starving``;
-2. rank 0 broadcasts the batch (``broadcast_object_list``); rank ``r`` hands groups
+2. rank 0 broadcasts the batch (JSON and trajectory frames, never pickles: see
+   ``rljob_workers.collective``); rank ``r`` hands groups
    ``r, r + T, ...`` to the ``Learner`` (the same one the colocated actor uses): proximal
    log-probs with the weights before the update, advantages (group-relative, or GAE with a
    trainer-side critic for PPO), ``ppo_epochs`` x minibatch updates with the configured
@@ -33,6 +34,7 @@ rank.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
@@ -44,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rljob_workers.algos import MAX_SAMPLING_ROUNDS
 from rljob_workers.buffer import ExperienceBuffer, Trajectory
@@ -56,6 +57,7 @@ from rljob_workers.checkpoint import (
     resume_point,
     save_checkpoint,
 )
+from rljob_workers.collective import broadcast_json, broadcast_trajectories
 from rljob_workers.config import ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, FileWatcher, stop_on_sigterm
 from rljob_workers.ddp import global_sum, trainer_process_group
@@ -125,6 +127,14 @@ def experience_of(rows: Sequence[Trajectory], current_version: int | None = None
         if current_version is None
         else [max(0, current_version - t.policy_version) for t in rows],
     )
+
+
+def _regrouped(rows: list[Trajectory], sizes: list[int]) -> list[Group]:
+    """``rows`` cut into groups of ``sizes`` (a broadcast batch back into its groups)."""
+    if not all(isinstance(n, int) and n > 0 for n in sizes) or sum(sizes) != len(rows):
+        raise ValueError(f"batch of {len(rows)} trajectories announced as groups of {sizes!r:.80}")
+    ends = list(itertools.accumulate(sizes))
+    return [rows[end - size : end] for end, size in zip(ends, sizes, strict=True)]
 
 
 def shard_groups(groups: Sequence[Group], rank: int, world_size: int) -> list[Trajectory]:
@@ -377,29 +387,38 @@ class TrainerWorker:
         while True:
             payload = self._assemble(SYNC_EVERY_S) if self.leader else None
             if self.distributed:
-                shared = (
-                    payload,
-                    self._starving,
-                    self.accounting.max_versions,
-                    self._taken_rewards,
-                    self.version,  # rank 0 may have moved past versions the rollouts hold
-                    self._republish,
-                )
-                box: list[Any] = [shared]
-                dist.broadcast_object_list(box, src=0)
-                (
-                    payload,
-                    self._starving,
-                    self.accounting.max_versions,
-                    self._taken_rewards,
-                    self.version,
-                    self._republish,
-                ) = box[0]
+                payload = self._share_batch(payload)
             if self._republish:  # rank 0 moved to a new version number: every rank gathers
                 self._republish = False
                 self._publish()
             if payload is not None:
                 return payload, time.monotonic() - started, self._starving
+
+    def _share_batch(self, payload: list[Group] | None) -> list[Group] | None:
+        """Rank 0's batch (None: none yet) and batching state on every rank, as JSON and
+        trajectory frames (``rljob_workers.collective``: nothing is unpickled)."""
+        state = broadcast_json(
+            {
+                "sizes": None if payload is None else [len(group) for group in payload],
+                "starving": self._starving,
+                "max_versions": self.accounting.max_versions,
+                "taken_rewards": self._taken_rewards,
+                "version": self.version,  # rank 0 may have moved past versions the rollouts hold
+                "republish": self._republish,
+            }
+            if self.leader
+            else None
+        )
+        if not self.leader:
+            self._starving, self._republish = bool(state["starving"]), bool(state["republish"])
+            bound = state["max_versions"]
+            self.accounting.max_versions = None if bound is None else int(bound)
+            self._taken_rewards = [float(r) for r in state["taken_rewards"]]
+            self.version = int(state["version"])
+        if state["sizes"] is None:
+            return None
+        rows = broadcast_trajectories(None if payload is None else [t for g in payload for t in g])
+        return payload if self.leader else _regrouped(rows, state["sizes"])
 
     def _assemble(self, budget_s: float) -> list[Group] | None:
         """Rank 0: collect whole groups until a batch is complete or ``budget_s`` passed."""
@@ -570,9 +589,7 @@ class TrainerWorker:
             log.info("version %d was published before; continuing at %d", published, published + 1)
             self.version = published + 1
         if self.distributed:
-            box: list[Any] = [self.version]
-            dist.broadcast_object_list(box, src=0)
-            self.version = int(box[0])
+            self.version = int(broadcast_json(self.version if self.leader else None))
 
     def _write_accounting(self) -> None:
         assert self.servers is not None
