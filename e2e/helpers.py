@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import LocalCluster
-from rljob_workers.config import Progress
+from rljob_workers.config import Progress, progress_configmap
 
 
 def wait_for(
@@ -28,11 +28,10 @@ def wait_for(
 
 
 def report(cluster: LocalCluster, ns: str, job: str, progress: Progress) -> None:
-    """Write ``progress`` into the job's progress ConfigMap, as a worker does."""
+    """Write ``progress`` into its role's progress ConfigMap, as a worker does."""
     patch = {"data": {progress.key: progress.model_dump_json()}}
-    cluster.kubectl(
-        "patch", "configmap", f"{job}-progress", "-n", ns, "--type=merge", "-p", json.dumps(patch)
-    )
+    name = progress_configmap(job, progress.role)
+    cluster.kubectl("patch", "configmap", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
 
 
 def report_now(cluster: LocalCluster, ns: str, job: str, **fields: Any) -> None:

@@ -9,7 +9,10 @@
 - no finalizer: with the operator gone, ``kubectl delete rljob`` completes and garbage collection
   removes the children (what ``helm uninstall`` with jobs present leaves behind);
 - identical Events are one Event with a count;
-- pods running as a user-supplied serviceAccountName may write their progress reports.
+- pods running as a user-supplied serviceAccountName may write their progress reports;
+- a rollout's account may write only the rollouts' progress ConfigMap: its token is refused on
+  the trainer's (the forged "trainer-0 done" report of the security review), and a NaN or an
+  over-long path in a report never stops the status from being written (#27 item 6).
 """
 
 from __future__ import annotations
@@ -169,3 +172,51 @@ def test_user_service_account_may_report_progress(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr  # as the workers' heartbeat does, with the pod's token
     wait_for(lambda: status(cluster, namespace, "own-sa").get("step") == 7, 30, "step in status")
+
+
+def test_rollout_cannot_write_the_trainer_report_and_bad_numbers_do_not_wedge_status(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit(cluster, namespace, "fenced", example="dapo-disaggregated")
+    wait_for(lambda: running(cluster, namespace, "fenced", 4), 90, "job Running")
+    accounts = {
+        p["metadata"]["labels"]["rljob.io/role"]: p["spec"]["serviceAccountName"]
+        for p in pods(cluster, namespace, "fenced")
+    }
+    assert accounts == {"rollout": "fenced-rollout-worker", "trainer": "fenced-worker"}
+    token = cluster.kubectl("create", "token", accounts["rollout"], "-n", namespace).stdout
+    forged = Progress(role="trainer", time=time.time(), step=10**6, done=True)
+    honest = Progress(role="rollout", time=time.time(), tokens_per_second=42.0)
+    for configmap, beat, allowed in (
+        ("fenced-progress", forged, False),
+        ("fenced-rollout-progress", honest, True),
+    ):
+        patch = json.dumps({"data": {beat.key: beat.model_dump_json()}})
+        out = cluster.kubectl(
+            "patch", "configmap", configmap, "-n", namespace, "--type=merge", "-p", patch,
+            token=token.strip(), check=False,
+        )  # fmt: skip
+        assert (out.returncode == 0) is allowed, out.stderr
+        if not allowed:
+            assert "forbidden" in out.stderr.lower()
+    wait_for(
+        lambda: status(cluster, namespace, "fenced").get("tokensPerSecond") == 42.0,
+        30,
+        "the rollout's report in the status",
+    )
+    # a trainer report with a NaN and a path over 1,024 characters: the status keeps moving
+    bad = {
+        "role": "trainer", "replica": 0, "time": time.time(), "step": 9,
+        "reward_mean": float("nan"), "last_checkpoint": "/checkpoints/" + "x" * 2000,
+    }  # fmt: skip
+    patch = json.dumps({"data": {"trainer-0": json.dumps(bad)}})
+    cluster.kubectl(
+        "patch", "configmap", "fenced-progress", "-n", namespace, "--type=merge", "-p", patch
+    )
+    wait_for(lambda: status(cluster, namespace, "fenced").get("step") == 9, 30, "step 9")
+    job = status(cluster, namespace, "fenced")
+    assert "rewardMean" not in job and "lastCheckpoint" not in job
+    assert job["phase"] == "Running"
+    reasons = {e["reason"]: e["message"] for e in events(cluster, namespace, "fenced")}
+    assert "reward_mean is nan, dropped" in reasons["WorkerReportRefused"]
+    assert "StatusRejected" not in reasons

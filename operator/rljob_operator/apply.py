@@ -62,16 +62,24 @@ def apply_plan(
             outcomes = list(_pool().map(lambda o: _apply_child(kube, job, o, tokens), batch))
         refused += [o for o in outcomes if o is not None]
     if plan.status_patch is not None:  # only on the job as observed (409 otherwise: no Events)
-        kube.merge_patch(
-            f"{GROUP}/{VERSION}",
-            "RLJob",
-            meta["namespace"],
-            meta["name"],
-            {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": plan.status_patch}
-            if meta.get("resourceVersion")
-            else {"status": plan.status_patch},
-            subresource="status",
-        )
+        try:
+            kube.merge_patch(
+                f"{GROUP}/{VERSION}",
+                "RLJob",
+                meta["namespace"],
+                meta["name"],
+                {
+                    "metadata": {"resourceVersion": meta["resourceVersion"]},
+                    "status": plan.status_patch,
+                }
+                if meta.get("resourceVersion")
+                else {"status": plan.status_patch},
+                subresource="status",
+            )
+        except ApiException as exc:
+            if exc.status not in STATUS_REFUSED:
+                raise
+            status_refused(kube, job, exc)
     for patch in plan.workload_patches:  # Kueue: spec.active, release of quota, Finished
         try:
             kube.merge_patch(
@@ -188,6 +196,66 @@ def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:
 _EVENT_CACHE_SIZE = 4096
 _posted: OrderedDict[tuple[str, str, str, str], tuple[str, int]] = OrderedDict()
 """(job uid, type, reason, message) → (Event name, count): repeats update one Event's count."""
+
+
+STATUS_REFUSED = (400, 422)
+"""Statuses of a status write the API server refused as written: retrying the same write
+cannot help, so it is reported instead of retried every few seconds."""
+
+
+def status_refused(kube: Kube, job: dict[str, Any], exc: ApiException) -> None:
+    """The API server refused the pass's status: a Warning Event with its reason, and the
+    condition StatusRejected (written alone, beside the conditions the job has), so the user
+    sees it in ``kubectl describe`` and ``kubectl get -o yaml``, not only in the operator log.
+    The next pass writes its status again; it does not raise (a raise is retried at once)."""
+    meta = job["metadata"]
+    reason = _api_message(exc)
+    message = (
+        f"the API server refused the job's status ({exc.status}): {reason}; the status is "
+        "not updated until a pass writes one it accepts"
+    )
+    log.warning("%s/%s: %s", meta["namespace"], meta["name"], message)
+    apply_event(kube, job, EventSpec("Warning", "StatusRejected", message))
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    kept = [
+        c
+        for c in (job.get("status") or {}).get("conditions") or []
+        if c.get("type") != "StatusRejected"
+    ]
+    condition = {
+        "type": "StatusRejected",
+        "status": "True",
+        "reason": "Invalid",
+        "message": message[:1024],
+        "lastTransitionTime": now,
+        "observedGeneration": int(meta.get("generation", 1)),
+    }
+    try:
+        kube.merge_patch(
+            f"{GROUP}/{VERSION}",
+            "RLJob",
+            meta["namespace"],
+            meta["name"],
+            {"status": {"conditions": [*kept, condition]}},
+            subresource="status",
+        )
+    except ApiException as again:
+        log.warning(
+            "%s/%s: the StatusRejected condition was refused too: %s",
+            meta["namespace"],
+            meta["name"],
+            again.reason,
+        )
+
+
+def _api_message(exc: ApiException) -> str:
+    """The API server's message of a refusal (its Status body), else the HTTP reason."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except ValueError:
+        body = {}
+    text = body.get("message") if isinstance(body, dict) else None
+    return str(text or exc.reason)[:600]
 
 
 def apply_event(kube: Kube, job: dict[str, Any], event: EventSpec) -> None:

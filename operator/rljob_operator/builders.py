@@ -33,7 +33,6 @@ from rljob_operator.api import (
 )
 from rljob_workers.config import (
     CONTROL_KEY,
-    PROGRESS_CONFIGMAP_SUFFIX,
     SCHEMA_KEY,
     SCHEMA_VERSION,
     AlgorithmConfig,
@@ -52,6 +51,7 @@ from rljob_workers.config import (
     TrainerConfig,
     WeightSyncConfig,
     WorkerConfig,
+    progress_configmap,
 )
 
 FIELD_MANAGER = "rljob-operator"
@@ -136,8 +136,10 @@ def secret_name(job: JobRef) -> str:
     return f"{job.name}-token"
 
 
-def progress_name(job: JobRef) -> str:
-    return f"{job.name}{PROGRESS_CONFIGMAP_SUFFIX}"
+def progress_name(job: JobRef, role: Role = "trainer") -> str:
+    """The progress ConfigMap workers of ``role`` report into (the training role's is the
+    job's ``<job>-progress``; rollouts have ``<job>-rollout-progress``)."""
+    return progress_configmap(job.name, role)
 
 
 def checkpoint_claim_name(spec: RLJobSpec, job: JobRef) -> str | None:
@@ -153,8 +155,10 @@ def model_mount(spec: RLJobSpec) -> str | None:
     return spec.model.volume.mount_path if spec.model.volume else None
 
 
-def worker_account_name(job: JobRef) -> str:
-    return f"{job.name}-worker"
+def worker_account_name(job: JobRef, role: Role = "trainer") -> str:
+    """The ServiceAccount the pods of ``role`` run as (unless spec.worker.serviceAccountName):
+    rollouts have their own, so they cannot write the training role's reports."""
+    return f"{job.name}-rollout-worker" if role == "rollout" else f"{job.name}-worker"
 
 
 def labels(job: JobRef, role: Role | None = None) -> dict[str, str]:
@@ -453,12 +457,12 @@ def build_token_secret(job: JobRef, token: str) -> dict[str, Any]:
     }
 
 
-def build_progress_configmap(job: JobRef) -> dict[str, Any]:
-    """The ConfigMap workers write their heartbeats into (one key per process)."""
+def build_progress_configmap(job: JobRef, role: Role = "trainer") -> dict[str, Any]:
+    """The ConfigMap the workers of ``role`` write their heartbeats into (one key per process)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, progress_name(job)),
+        "metadata": _metadata(job, progress_name(job, role)),
     }
 
 
@@ -482,36 +486,49 @@ def build_checkpoint_claim(spec: RLJobSpec, job: JobRef) -> dict[str, Any] | Non
     }
 
 
-def build_worker_rbac(job: JobRef, pod_account: str | None = None) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding: workers may only get and patch their progress CM.
+def build_worker_rbac(
+    job: JobRef, pod_account: str | None = None, roles: tuple[Role, ...] = ("trainer",)
+) -> list[dict[str, Any]]:
+    """Per reporting identity (the training role; rollouts apart): a ServiceAccount, and a Role
+    and RoleBinding that let it get and patch only its own progress ConfigMap.
 
-    The binding names the account the pods run as: ``pod_account`` (spec.serviceAccountName) when
-    set, else the job's own worker account."""
-    name = worker_account_name(job)
-    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name)}
-    role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _metadata(job, name),
-        "rules": [
+    Each binding names the account the pods run as: ``pod_account`` (spec.serviceAccountName)
+    when set (every role then shares that one identity), else the role's own account."""
+    out: list[dict[str, Any]] = []
+    identities: list[Role] = ["trainer"]
+    if "rollout" in roles:
+        identities.append("rollout")
+    for role in identities:
+        name = worker_account_name(job, role)
+        subject = {
+            "kind": "ServiceAccount",
+            "name": pod_account or name,
+            "namespace": job.namespace,
+        }
+        account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name)}
+        rule = {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [progress_name(job, role)],
+            "verbs": ["get", "patch"],
+        }
+        out += [
+            account,
             {
-                "apiGroups": [""],
-                "resources": ["configmaps"],
-                "resourceNames": [progress_name(job)],
-                "verbs": ["get", "patch"],
-            }
-        ],
-    }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _metadata(job, name),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [
-            {"kind": "ServiceAccount", "name": pod_account or name, "namespace": job.namespace}
-        ],
-    }
-    return [account, role, binding]
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": _metadata(job, name),
+                "rules": [rule],
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": _metadata(job, name),
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                "subjects": [subject],
+            },
+        ]
+    return out
 
 
 VOLCANO = "volcano"
@@ -633,7 +650,7 @@ def build_pod(
         "hostname": pod_name(job, role, index),
         "subdomain": service_name(job, role),
         "enableServiceLinks": False,
-        "serviceAccountName": spec.worker.service_account_name or worker_account_name(job),
+        "serviceAccountName": spec.worker.service_account_name or worker_account_name(job, role),
         "automountServiceAccountToken": True,
         "securityContext": {
             "runAsNonRoot": True,
@@ -845,15 +862,17 @@ def build_children(
             update={"checkpoint": config.checkpoint.model_copy(update={"resume_from": resume_from})}
         )
     digest = restart_hash(config)
+    roles = roles_for(topology)
     objects = [build_configmap(ref, config, control), build_progress_configmap(ref)]
+    if "rollout" in roles:
+        objects.append(build_progress_configmap(ref, "rollout"))
     claim = build_checkpoint_claim(spec, ref)
     if claim is not None:
         objects.append(claim)
     objects += [
         build_token_secret(ref, token),
-        *build_worker_rbac(ref, spec.worker.service_account_name),
+        *build_worker_rbac(ref, spec.worker.service_account_name, roles),
     ]
-    roles = roles_for(topology)
     objects += [build_headless_service(ref, role) for role in roles]
     if metrics_from is not None:
         objects.append(build_network_policy(ref, metrics_from))

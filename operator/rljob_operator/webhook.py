@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import datetime
 import ipaddress
@@ -418,6 +419,8 @@ class WebhookServer:
         writer.write(head.encode() + data)
         async with asyncio.timeout(self.limits.request_seconds):
             await writer.drain()
+        if not keep:  # read and drop what the caller still sends (a body we refused): closing
+            await _linger(reader)  # with unread data resets the connection, answer and all
         return keep
 
     async def _answer(
@@ -463,6 +466,20 @@ class WebhookServer:
             log.warning("conversion refused: %s", result["message"])
         self.conversions += 1
         return 200, answer, True
+
+
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 4 << 20
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """Discard what arrives for up to LINGER_SECONDS or LINGER_BYTES, so the caller reads the
+    answer before the connection closes (memory: one read buffer, never the body)."""
+    left = LINGER_BYTES
+    with contextlib.suppress(TimeoutError, OSError, ssl.SSLError):
+        async with asyncio.timeout(LINGER_SECONDS):
+            while left > 0 and (chunk := await reader.read(min(64 << 10, left))):
+                left -= len(chunk)
 
 
 def _parse_head(raw: bytes) -> tuple[str, str, dict[str, str]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -172,3 +172,55 @@ def test_apply_plan_role_binding_written_after_its_role() -> None:
     assert apply_plan(api, JOB, plan) == ()  # type: ignore[arg-type]
     assert api.finished.index("RoleBinding/j-worker") > api.finished.index("Role/j-worker")
     assert api.finished.index("Pod/j-rollout-0") > api.finished.index("RoleBinding/j-worker")
+
+
+def test_apply_plan_status_the_api_server_refuses_is_an_event_and_a_condition() -> None:
+    """#27 item 6: a status the API server refuses (422: a NaN, an over-long string) used to
+    raise, and kopf retried the same write every 2 s forever with nothing for the user to see.
+    Now: a Warning Event and the condition StatusRejected carrying the API server's message,
+    written alone; the pass does not raise."""
+    invalid = (
+        '{"kind":"Status","message":"RLJob.rljob.io \\"j\\" is invalid: status.lastCheckpoint.path:'
+        ' Too long: may not be more than 1024 bytes","code":422}'
+    )
+
+    class RefusingStatus(StatusRecorder):
+        created: ClassVar[list[dict[str, Any]]] = []
+
+        def merge_patch(self, *args: Any, subresource: str | None = None) -> None:
+            if "phase" in args[-1].get("status", {}):
+                raise ApiException(status=422, reason="Unprocessable Entity", body=invalid)
+            super().merge_patch(*args, subresource=subresource)
+
+        def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+            self.created.append(obj)
+            return {"metadata": {"name": "e1"}}
+
+    api = RefusingStatus(together=1, wait_for=())
+    job = {
+        **JOB,
+        "apiVersion": "rljob.io/v1beta1",
+        "kind": "RLJob",
+        "status": {"conditions": [{"type": "Running", "status": "True"}]},
+    }
+    plan = Plan(apply=(), status_patch={"phase": "Running", "lastCheckpoint": {"path": "x"}})
+    assert apply_plan(api, job, plan) == ()  # type: ignore[arg-type]
+    (written,) = api.patches
+    conditions = written["body"]["status"]["conditions"]
+    assert [c["type"] for c in conditions] == ["Running", "StatusRejected"]
+    rejected = conditions[-1]
+    assert rejected["status"] == "True"
+    assert "Too long: may not be more than 1024 bytes" in rejected["message"]
+    (event,) = [o for o in api.created if o.get("kind") == "Event"]
+    assert event["reason"] == "StatusRejected" and event["type"] == "Warning"
+    assert "(422)" in event["message"]
+
+
+def test_apply_plan_status_refused_for_another_reason_still_raises() -> None:
+    class Conflict(StatusRecorder):
+        def merge_patch(self, *args: Any, subresource: str | None = None) -> None:
+            raise ApiException(status=409, reason="Conflict")
+
+    api = Conflict(together=1, wait_for=())
+    with pytest.raises(ApiException):
+        apply_plan(api, JOB, Plan(status_patch={"phase": "Running"}))  # type: ignore[arg-type]

@@ -270,22 +270,45 @@ def test_build_worker_config_k2_and_k1_estimators_pass_through() -> None:
 
 
 def test_build_children_worker_role_allows_only_own_progress_configmap() -> None:
+    """Each reporting identity (the trainers; the rollouts apart) may get and patch only its own
+    progress ConfigMap, and each role's pods run as their own account: a rollout cannot write
+    the trainer's report (#27 item 6)."""
     objs = children("dapo-disaggregated")
-    role = next(o for o in objs if o["kind"] == "Role")
-    assert role["rules"] == [
-        {
-            "apiGroups": [""],
-            "resources": ["configmaps"],
-            "resourceNames": ["demo-progress"],
-            "verbs": ["get", "patch"],
-        }
-    ]
-    binding = next(o for o in objs if o["kind"] == "RoleBinding")
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "demo-worker", "namespace": "team-a"}
-    ]
-    pods = [o for o in objs if o["kind"] == "Pod"]
-    assert {p["spec"]["serviceAccountName"] for p in pods} == {"demo-worker"}
+    roles = {o["metadata"]["name"]: o["rules"] for o in objs if o["kind"] == "Role"}
+
+    def only(configmap: str) -> list[dict[str, object]]:
+        return [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [configmap],
+                "verbs": ["get", "patch"],
+            }
+        ]
+
+    assert roles == {
+        "demo-worker": only("demo-progress"),
+        "demo-rollout-worker": only("demo-rollout-progress"),
+    }
+    bindings = {
+        o["metadata"]["name"]: (o["roleRef"]["name"], o["subjects"])
+        for o in objs
+        if o["kind"] == "RoleBinding"
+    }
+    assert bindings == {
+        name: (name, [{"kind": "ServiceAccount", "name": name, "namespace": "team-a"}])
+        for name in ("demo-worker", "demo-rollout-worker")
+    }
+    accounts = {
+        p["metadata"]["labels"]["rljob.io/role"]: p["spec"]["serviceAccountName"]
+        for p in objs
+        if p["kind"] == "Pod"
+    }
+    assert accounts == {"trainer": "demo-worker", "rollout": "demo-rollout-worker"}
+    configmaps = {o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"}
+    assert {"demo-progress", "demo-rollout-progress"} <= configmaps
+    colocated = children("grpo-colocated")
+    assert [o["metadata"]["name"] for o in colocated if o["kind"] == "Role"] == ["demo-worker"]
 
 
 def test_build_children_gang_adds_pod_group_and_pod_labels() -> None:

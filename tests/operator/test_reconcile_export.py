@@ -61,7 +61,6 @@ OUTSIDE = {
     "dot-dot-out": "/checkpoints/../etc/model",
     "sibling-prefix": "/checkpoints-old/export",
     "relative": "checkpoints/export",
-    "too-long": "/checkpoints/" + "a" * EXPORTED_MODEL_MAX,
     "newline": "/checkpoints/export\nstep",
 }
 
@@ -81,6 +80,18 @@ def test_exported_model_outside_the_checkpoint_root_ignored_with_one_warning(
     again = reconcile(with_progress(with_status(observed, first.status), beat), now=NOW + 2)
     assert not [e for e in again.events if e.reason == "ExportedModelIgnored"]
     assert "exportedModel" not in (again.status or first.status)
+
+
+def test_exported_model_too_long_is_dropped_from_the_report_with_a_warning() -> None:
+    observed = converged("dapo-disaggregated")
+    beat = Progress(
+        role="trainer", time=NOW, step=12, exported_model="/checkpoints/" + "a" * EXPORTED_MODEL_MAX
+    )
+    plan = reconcile(with_progress(observed, beat), now=NOW + 1)
+    assert plan.status is not None and "exportedModel" not in plan.status
+    assert plan.status["step"] == 12  # the rest of the report counts
+    (warning,) = [e for e in plan.events if e.reason == "WorkerReportRefused"]
+    assert "trainer-0: exported_model longer than 1024 characters, dropped" in warning.message
 
 
 def test_exported_model_with_ephemeral_checkpoints_is_not_recorded() -> None:

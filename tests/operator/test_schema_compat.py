@@ -287,3 +287,17 @@ def test_heartbeat_to_a_schema_3_operator_leaves_out_the_collapse_fields() -> No
     assert not {"collapse", "best_checkpoint", "best_reward"} & set(old)
     assert {"idle_fraction", "exported_model"} <= set(old)  # schema 2 and 3 fields stay
     assert json.loads(beat.dump_for(SCHEMA_VERSION))["collapse"]["step"] == 9
+
+
+def test_rollouts_report_into_their_own_configmap_from_schema_6() -> None:
+    """#27 item 6: a rollout's account may patch only ``<job>-rollout-progress``, so a rollout
+    of this release reports there; to an operator of an older schema (which has no such map and
+    no such account) it reports where that operator reads."""
+    beat = KubeHeartbeat(server="https://api", token="t", namespace="ns", job_name="demo")
+    assert beat.url("rollout").endswith("/namespaces/ns/configmaps/demo-rollout-progress")
+    assert beat.url("trainer").endswith("/namespaces/ns/configmaps/demo-progress")
+    assert beat.url("actor").endswith("/namespaces/ns/configmaps/demo-progress")
+    old = KubeHeartbeat(
+        server="https://api", token="t", namespace="ns", job_name="demo", operator_schema=5
+    )
+    assert old.url("rollout").endswith("/configmaps/demo-progress")

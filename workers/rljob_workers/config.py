@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
@@ -279,6 +279,19 @@ class ProcessEnv(_Model):
 
 
 PROGRESS_CONFIGMAP_SUFFIX = "-progress"
+ROLLOUT_PROGRESS_SINCE = 6
+"""The schema from which rollouts report into a ConfigMap of their own (``<job>-rollout-progress``,
+patched by the rollouts' account only), so no rollout can write the training role's report."""
+
+
+def progress_configmap(job_name: str, role: Role, operator_schema: int = SCHEMA_VERSION) -> str:
+    """The progress ConfigMap a worker of ``role`` reports into: the rollouts' own (from
+    operator schema 6 on), else the job's (the training role's, and every role's before)."""
+    if role == "rollout" and operator_schema >= ROLLOUT_PROGRESS_SINCE:
+        return f"{job_name}-rollout{PROGRESS_CONFIGMAP_SUFFIX}"
+    return f"{job_name}{PROGRESS_CONFIGMAP_SUFFIX}"
+
+
 CONTROL_KEY = "control.json"
 
 
@@ -333,17 +346,18 @@ class CollapseReport(_Model):
 class Progress(_Model):
     """A worker's heartbeat: what it reports to the operator (one entry per process).
 
-    Workers write it as JSON under the key ``<role>-<replica>`` of the job's progress ConfigMap
-    (``<job>-progress``; the worker ServiceAccount may get and patch only that object). In local
-    runs the same JSON goes to a file. The operator copies it into the RLJob status and drives
+    Workers write it as JSON under the key ``<role>-<replica>`` of their progress ConfigMap
+    (``progress_configmap``: ``<job>-progress`` for the training role, ``<job>-rollout-progress``
+    for rollouts; each role's ServiceAccount may get and patch only its own). In local runs the
+    same JSON goes to a file. The operator copies it into the RLJob status and drives
     failover, elastic scaling and the policy-lag degrade rule from it.
     """
 
     role: Role
-    replica: int = 0
+    replica: int = Field(0, ge=0)
     time: float = Field(description="unix seconds when this report was written")
-    step: int = 0
-    policy_version: int = 0
+    step: int = Field(0, ge=0)
+    policy_version: int = Field(0, ge=0)
     policy_lag_ms: float | None = None
     policy_lag_versions: float | None = None
     buffer_age_seconds: float | None = None

@@ -1,7 +1,8 @@
 """Worker → operator progress reports (see ``config.Progress``).
 
-In a pod: a JSON merge patch of one key of the job's progress ConfigMap, with the pod's
-ServiceAccount token (the worker Role allows get/patch on that single object and nothing else).
+In a pod: a JSON merge patch of one key of its role's progress ConfigMap, with the pod's
+ServiceAccount token (the role's worker Role allows get/patch on that single object and nothing
+else; rollouts and the training role have accounts of their own, so neither writes the other's).
 Locally: an atomically replaced JSON file per process. No Kubernetes client library: stdlib HTTP.
 """
 
@@ -14,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Protocol
 
-from rljob_workers.config import PROGRESS_CONFIGMAP_SUFFIX, SCHEMA_KEY, SCHEMA_VERSION, Progress
+from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, Progress, Role, progress_configmap
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -52,9 +53,9 @@ class KubeHeartbeat:
         timeout: float = 5.0,
         operator_schema: int = SCHEMA_VERSION,
     ) -> None:
-        name = f"{job_name}{PROGRESS_CONFIGMAP_SUFFIX}"
         self.operator_schema = operator_schema  # reports leave out fields that operator lacks
-        self.url = f"{server.rstrip('/')}/api/v1/namespaces/{namespace}/configmaps/{name}"
+        self.configmaps = f"{server.rstrip('/')}/api/v1/namespaces/{namespace}/configmaps"
+        self.job_name = job_name
         self.token = token
         self.timeout = timeout
         self.context = ssl.create_default_context(cafile=ca_file)
@@ -78,6 +79,10 @@ class KubeHeartbeat:
             operator_schema=operator_schema,
         )
 
+    def url(self, role: Role) -> str:
+        """Where a worker of ``role`` reports (its role's own progress ConfigMap)."""
+        return f"{self.configmaps}/{progress_configmap(self.job_name, role, self.operator_schema)}"
+
     def write(self, progress: Progress) -> None:
         data = {
             progress.key: progress.dump_for(self.operator_schema),
@@ -85,7 +90,7 @@ class KubeHeartbeat:
         }
         body = json.dumps({"data": data}).encode()
         request = urllib.request.Request(
-            self.url,
+            self.url(progress.role),
             data=body,
             method="PATCH",
             headers={

@@ -5,12 +5,14 @@ status, the creation pass's plan summary, and the topology the status pins once 
 
 from __future__ import annotations
 
+import json
+import math
 import posixpath
 import re
 from typing import Any
 
 from rljob_operator.api import RLJob, RLJobSpec, resolve_topology
-from rljob_operator.builders import JobRef, Topology, pod_name, progress_name
+from rljob_operator.builders import JobRef, Role, Topology, pod_name, progress_name
 from rljob_operator.plan import build_plan_summary
 from rljob_operator.reconcile.shared import EventSpec, Observed, _Pass, _pod_phase, _seconds
 from rljob_workers.config import (
@@ -61,9 +63,14 @@ def _read_reports(
 ) -> tuple[list[Progress], list[Progress]]:
     """The workers' reports (all of them, and the live ones: pods that run, within
     ``stale_seconds`` of ``now``), copied into the status."""
-    progress, mismatch = _parse_progress(observed, ref)
+    progress, mismatch, problems = _parse_progress(observed, ref)
     if mismatch:
         work.events.append(EventSpec("Warning", "WorkerSchemaMismatch", mismatch))
+    if problems:
+        shown = "; ".join(problems[:5]) + (
+            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        )
+        work.events.append(EventSpec("Warning", "WorkerReportRefused", shown[:1000]))
     present = _reports_of_present_pods(progress, observed.pods, ref)
     live = [p for p in present if now - p.time <= stale_seconds]
     _report_progress(work, progress, live, spec, topology)
@@ -73,25 +80,106 @@ def _read_reports(
 
 
 def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
-    """The workers' heartbeats from the progress ConfigMap (malformed entries are skipped)."""
+    """The workers' heartbeats from the progress ConfigMaps (refused entries are skipped)."""
     return _parse_progress(observed, ref)[0]
 
 
-def _parse_progress(observed: Observed, ref: JobRef) -> tuple[list[Progress], str | None]:
-    """The heartbeats, and a message naming both schema versions when entries written by
-    workers of another schema version do not parse (None when all parse or versions agree)."""
-    data = dict(observed.configmaps.get(progress_name(ref), {}).get("data") or {})
-    theirs = schema_version_of(data.pop(SCHEMA_KEY, None))
-    out, bad = [], []
-    for key, text in sorted(data.items()):
-        try:
-            out.append(Progress.model_validate_json(text))
-        except ValueError:
-            bad.append(key)
-    if bad and theirs != SCHEMA_VERSION:
-        mismatch = schema_mismatch(theirs, "the workers", "operator")
-        return out, f"progress of {', '.join(bad)} not understood: {mismatch}"
-    return out, None
+REPORT_TEXT_MAX = 1024
+"""Longest string a worker report may carry (characters); a longer one is dropped."""
+REPORT_INT_MAX = 2**53
+"""Largest integer a worker report may carry (as JSON numbers go); a larger one is clamped."""
+TRUSTED_ROLES: dict[Role, tuple[str, ...]] = {
+    "trainer": ("actor", "trainer", "rollout"),  # rollouts too: those of the previous schema
+    "rollout": ("rollout",),
+}
+"""Which roles' reports each progress ConfigMap (by the role that owns it) may hold: the
+rollouts' account can patch only theirs, so a rollout never speaks for the training role."""
+
+
+def _parse_progress(
+    observed: Observed, ref: JobRef
+) -> tuple[list[Progress], str | None, list[str]]:
+    """The heartbeats; a message naming both schema versions when entries written by workers of
+    another schema version do not parse (None when all parse or versions agree); and what was
+    refused or repaired in the reports, one line each (reports are the workers' word: each is
+    bounded, finite, filed under its writer's own key, in a ConfigMap its role may write)."""
+    reports: dict[str, Progress] = {}
+    bad: list[str] = []
+    problems: list[str] = []
+    mismatch = None
+    for owner, roles in TRUSTED_ROLES.items():
+        name = progress_name(ref, owner)
+        data = dict(observed.configmaps.get(name, {}).get("data") or {})
+        theirs = schema_version_of(data.pop(SCHEMA_KEY, None))
+        unread = []
+        for key, text in sorted(data.items()):
+            report, problem = read_report(key, text, roles)
+            if problem:
+                problems.append(f"{name}: {problem}")
+            if report is None:
+                if problem is None:
+                    unread.append(key)
+                continue
+            before = reports.get(key)
+            if before is None or report.time > before.time:
+                reports[key] = report
+        if unread and theirs != SCHEMA_VERSION:
+            mismatch = schema_mismatch(theirs, "the workers", "operator")
+            bad += unread
+    if mismatch:
+        return (
+            list(reports.values()),
+            f"progress of {', '.join(bad)} not understood: {mismatch}",
+            problems,
+        )
+    return list(reports.values()), None, problems
+
+
+def read_report(key: str, text: str, roles: tuple[str, ...]) -> tuple[Progress | None, str | None]:
+    """One heartbeat entry: the report (non-finite numbers and over-long strings dropped, huge
+    integers clamped) and what was wrong with it; (None, None) when it does not parse as a
+    report of this schema (an older or newer worker's); (None, reason) when it is refused."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None, None
+    if not isinstance(raw, dict):
+        return None, None
+    repaired: list[str] = []
+    clean = _bounded(raw, "", repaired)
+    try:
+        report = Progress.model_validate(clean)
+    except ValueError:
+        if repaired:
+            return None, f"{key}: refused ({'; '.join(repaired)})"
+        return None, None
+    if report.key != key:
+        return None, f"{key}: refused, it holds the report of {report.key}"
+    if report.role not in roles:
+        return None, f"{key}: refused, a {report.role} report does not belong here"
+    return report, (f"{key}: {'; '.join(repaired)}" if repaired else None)
+
+
+def _bounded(value: Any, where: str, repaired: list[str]) -> Any:
+    """``value`` (parsed JSON) with every float finite, every string at most REPORT_TEXT_MAX
+    characters and every integer within REPORT_INT_MAX; what broke a bound becomes None (or is
+    clamped) and is named in ``repaired``."""
+    if isinstance(value, dict):
+        return {
+            k: _bounded(v, f"{where}.{k}" if where else str(k), repaired) for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_bounded(v, f"{where}[{i}]", repaired) for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        repaired.append(f"{where} is {value}, dropped")
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > REPORT_INT_MAX:
+        repaired.append(f"{where} out of range, clamped")
+        return REPORT_INT_MAX if value > 0 else -REPORT_INT_MAX
+    if isinstance(value, str) and len(value) > REPORT_TEXT_MAX:
+        repaired.append(f"{where} longer than {REPORT_TEXT_MAX} characters, dropped")
+        return None
+    return value
 
 
 def _reports_of_present_pods(
@@ -148,7 +236,7 @@ def _report_progress(
         if lead.reward_mean is not None:
             work.status["rewardMean"] = round(lead.reward_mean, 4)
         if lead.last_checkpoint:
-            _checkpoint_reported(work, lead.last_checkpoint, lead.step)
+            _checkpoint_reported(work, lead.last_checkpoint, lead.step, spec, warn=new_step)
         if lead.exported_model and not spec.checkpoint.ephemeral:
             _exported_model_reported(work, lead.exported_model, spec, warn=new_step)
         _best_checkpoint_reported(work, lead, spec)
@@ -184,9 +272,27 @@ def _mismatch_status(report: MismatchReport) -> dict[str, Any]:
     }
 
 
-def _checkpoint_reported(work: _Pass, path: str, step: int) -> None:
+def _checkpoint_reported(
+    work: _Pass, reported: str, step: int, spec: RLJobSpec, *, warn: bool
+) -> None:
     """The lead's newest checkpoint: status.lastCheckpoint (its own step, not the current one),
-    and status.resumeFrom, when set, moves up to it (an older one may be pruned by keep)."""
+    and status.resumeFrom, when set, moves up to it (an older one may be pruned by keep). Only a
+    directory under the checkpoint root counts: a report naming another path is ignored, with
+    a Warning Event, so no report points a resume outside the job's checkpoints."""
+    path = exported_model_path(reported, spec.checkpoint.path)
+    if path is None:
+        if warn:
+            shown = reported if len(reported) <= 200 else f"{reported[:200]}..."
+            work.events.append(
+                EventSpec(
+                    "Warning",
+                    "CheckpointIgnored",
+                    f"status.lastCheckpoint: the trainer reported {shown!r}, which is not a "
+                    f"directory under spec.checkpoint.path {spec.checkpoint.path}; it is not "
+                    "recorded and nothing resumes from it",
+                )
+            )
+        return
     at = checkpoint_step(path, step)
     newest: dict[str, Any] = {"step": at, "path": path}
     before = work.status.get("lastCheckpoint") or {}
