@@ -788,6 +788,29 @@ def test_rollout_paused_by_live_control_generates_nothing_until_unpaused(tiny_mo
     assert record["staleness_histogram"] == {"0": 16}
 
 
+def test_trainer_refuses_token_ids_its_policy_cannot_embed(tiny_model, tmp_path):
+    """#27 item 4: the trainer's experience server knows its policy's vocabulary: a batch with
+    an id outside it is refused at the door (on a GPU it would trip a device-side assert in the
+    embedding), counted, and the next good batch is taken."""
+    config = _config(tiny_model, tmp_path, batch_size=1, batch_size_mini=1, total_steps=2)
+    prompt = list(build_tokenizer()(PROMPT)["input_ids"])
+    worker, client = _one_trainer(config, tmp_path)
+    try:
+        assert worker.servers is not None
+        vocab = worker.policy.vocab_size
+        assert worker.servers.experience.vocab_size == vocab
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            client.send(_synthetic_group("evil", 0, [*prompt[:-1], vocab]), timeout_s=10)
+        assert worker.servers.experience.stats.out_of_vocab >= 1
+        client.close()  # that rollout exits (wrong model); another one sends good experience
+        client = ExperienceClient(f"http://127.0.0.1:{config.endpoints.experience_port}", TOKEN)
+        client.send(_synthetic_group("good", 0, prompt), timeout_s=10)
+        assert worker.train_step()["step"] == 1
+    finally:
+        client.close()
+        worker.close()
+
+
 def test_trainer_servers_apply_live_config_changes_without_restart(tmp_path):
     """Buffer aging/capacity, the staleness bound and weight compression change in place when the
     mounted config file changes (as the kubelet does when the operator updates the ConfigMap)."""
@@ -798,7 +821,7 @@ def test_trainer_servers_apply_live_config_changes_without_restart(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(config.dump())
     env = ProcessEnv(role="trainer", config_path=str(path), token="t")
-    servers = _Servers(config, env, version=0)
+    servers = _Servers(config, env, version=0, vocab_size=64)
     servers.live.interval_s = 0.0
     servers.control.interval_s = 0.0
     try:

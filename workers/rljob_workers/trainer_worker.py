@@ -153,7 +153,9 @@ def serving_host(trainer_host: str) -> str:
 class _Servers:
     """Rank 0's experience buffer + server and weight server, with the live staleness bound."""
 
-    def __init__(self, config: WorkerConfig, env: ProcessEnv, *, version: int) -> None:
+    def __init__(
+        self, config: WorkerConfig, env: ProcessEnv, *, version: int, vocab_size: int
+    ) -> None:
         token = env.token or token_from_env()
         host = serving_host(config.endpoints.trainer_host)
         ages = [config.buffer.max_age_seconds, config.staleness.max_age_seconds]
@@ -170,6 +172,7 @@ class _Servers:
             max_versions=self.configured_max_versions,
             host=host,
             port=config.endpoints.experience_port,
+            vocab_size=vocab_size,  # ids the policy cannot embed are refused at the door
         )
         self.weights = WeightServer(
             token,
@@ -248,7 +251,9 @@ class TrainerWorker:
         self.reporter = RoleReporter(config, env, heartbeat=self.leader)
         self._republish = False
         if self.leader:
-            self.servers = _Servers(config, env, version=self.version)
+            self.servers = _Servers(
+                config, env, version=self.version, vocab_size=self.policy.vocab_size
+            )
         self._publish()
         if self.servers is not None:
             self.servers.start()
