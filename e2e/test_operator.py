@@ -69,7 +69,13 @@ def test_example_reaches_running_on_gpu_nodes(
     assert conditions["Running"]["status"] == "True"
     assert conditions["Running"]["observedGeneration"] == job["metadata"]["generation"]
     assert job["status"]["observedGeneration"] == job["metadata"]["generation"]
-    kinds = (("configmap", 2), ("secret", 1), ("serviceaccount", 1), ("role", 1))
+    identities = 2 if example == "dapo-disaggregated" else 1  # rollouts report apart
+    kinds = (
+        ("configmap", 1 + identities),
+        ("secret", 1),
+        ("serviceaccount", identities),
+        ("role", identities),
+    )
     for kind, count in (*kinds, ("networkpolicy", 1)):
         objs = get_json(cluster, kind, "-n", namespace, "-l", f"rljob.io/job={example}")["items"]
         assert len(objs) == count, kind

@@ -12,7 +12,10 @@
 - pods running as a user-supplied serviceAccountName may write their progress reports;
 - a rollout's account may write only the rollouts' progress ConfigMap: its token is refused on
   the trainer's (the forged "trainer-0 done" report of the security review), and a NaN or an
-  over-long path in a report never stops the status from being written (#27 item 6).
+  over-long path in a report never stops the status from being written (#27 item 6);
+- a ConfigMap and a token Secret of the job's names that it does not own are neither
+  overwritten nor adopted (nor deleted with the job): the job says which, creates no pod that
+  would read them, and goes on once they are gone (#27 item 5).
 """
 
 from __future__ import annotations
@@ -220,3 +223,36 @@ def test_rollout_cannot_write_the_trainer_report_and_bad_numbers_do_not_wedge_st
     reasons = {e["reason"]: e["message"] for e in events(cluster, namespace, "fenced")}
     assert "reward_mean is nan, dropped" in reasons["WorkerReportRefused"]
     assert "StatusRejected" not in reasons
+
+
+def test_same_named_objects_not_owned_by_the_job_are_left_alone(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    cluster.kubectl(
+        "create", "configmap", "taken-config", "-n", namespace, "--from-literal=mine=yes"
+    )
+    cluster.kubectl(
+        "create", "secret", "generic", "taken-token", "-n", namespace, "--from-literal=token=chosen"
+    )
+    submit(cluster, namespace, "taken", example="grpo-colocated")
+
+    def refused() -> str:
+        job = status(cluster, namespace, "taken")
+        created = {c["type"]: c for c in job.get("conditions", [])}.get("Created", {})
+        text = str(created.get("message", ""))
+        return text if "taken-config" in text and "taken-token" in text else ""
+
+    message = wait_for(refused, 60, "the Created condition naming both taken objects")
+    assert "neither overwrites nor adopts it" in message
+    time.sleep(3)  # passes go on meanwhile: still nothing taken over, no pod
+    mine = get_json(cluster, "configmap", "taken-config", "-n", namespace)
+    assert mine["data"] == {"mine": "yes"} and not mine["metadata"].get("ownerReferences")
+    secret = get_json(cluster, "secret", "taken-token", "-n", namespace)
+    assert not secret["metadata"].get("ownerReferences")
+    assert pods(cluster, namespace, "taken") == []
+    reasons = [e["reason"] for e in events(cluster, namespace, "taken")]
+    assert "ChildCreateFailed" in reasons
+    cluster.kubectl("delete", "configmap", "taken-config", "-n", namespace)
+    cluster.kubectl("delete", "secret", "taken-token", "-n", namespace)
+    wait_for(lambda: running(cluster, namespace, "taken", 2), 120, "job Running once freed")
+    assert status(cluster, namespace, "taken")["tokenSecret"] == "taken-token"

@@ -15,10 +15,12 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.api import GROUP, VERSION
+from rljob_operator.builders import owned_by
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import WORKLOAD_API
 from rljob_operator.reconcile import (
     GANG_UNAVAILABLE,
+    POD_INPUTS,
     TOKEN_PLACEHOLDER,
     EventSpec,
     Plan,
@@ -56,6 +58,8 @@ def apply_plan(
         )
     refused: list[Refusal] = []
     for batch in _batches(plan.apply):
+        if batch[0]["kind"] == "Pod" and any(r.kind in POD_INPUTS for r in refused):
+            continue  # the pods would read an object the job does not own, or none at all
         if len(batch) == 1:
             outcomes = [_apply_child(kube, job, batch[0], tokens)]
         else:  # written concurrently, every one tried before an error is raised
@@ -144,11 +148,13 @@ def _apply_child(
     """Write one child; the API server's refusal or None."""
     try:
         if obj["kind"] == "Secret":
-            _create_token(kube, obj)
+            _create_token(kube, job, obj)
             if tokens is not None:
                 tokens.add(str(job["metadata"].get("uid")))
         else:
-            kube.server_side_apply(obj)
+            _write_owned(kube, job, obj)
+    except NotOurs as exc:
+        return Refusal(obj["kind"], obj["metadata"]["name"], str(exc), child_digest(obj))
     except ApiException as exc:
         if obj["kind"] == "PodGroup" and exc.status == 404:
             apply_event(kube, job, EventSpec("Warning", "PodGroupUnavailable", GANG_UNAVAILABLE))
@@ -160,6 +166,36 @@ def _apply_child(
                 message += f" (API error {exc.status})"
             return Refusal(obj["kind"], obj["metadata"]["name"], message, child_digest(obj))
     return None
+
+
+class NotOurs(Exception):
+    """A child's name is taken by an object this job does not own: it is left as it is."""
+
+    def __init__(self, obj: dict[str, Any], job: dict[str, Any], why: str) -> None:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        super().__init__(
+            f"{kind} {name} already exists and {why}; the operator neither overwrites nor "
+            f"adopts it (RLJob {job['metadata']['name']} would own it and garbage collection "
+            f"would delete it with the job). Delete or rename that {kind}, or rename the RLJob"
+        )
+
+
+def _write_owned(kube: Kube, job: dict[str, Any], obj: dict[str, Any]) -> None:
+    """Create the child; when its name is taken, update it (server-side apply) only if this job
+    owns it (a pod that exists is left as it is: pods are never updated). An object of that
+    name that another owner or nobody owns raises NotOurs and is not touched."""
+    try:
+        kube.create(obj)
+        return
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    meta = obj["metadata"]
+    existing = kube.get(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+    if existing is not None and not owned_by(existing, job["metadata"].get("uid")):
+        raise NotOurs(obj, job, "is not owned by this job (no ownerReference to its uid)")
+    if obj["kind"] != "Pod":
+        kube.server_side_apply(obj)
 
 
 def namespace_terminating(exc: ApiException) -> bool:
@@ -175,14 +211,40 @@ def server_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-def _create_token(kube: Kube, obj: dict[str, Any]) -> None:
-    """Create the job's token Secret once; AlreadyExists means it is there (never rewritten:
-    running workers hold the token)."""
+def _create_token(kube: Kube, job: dict[str, Any], obj: dict[str, Any]) -> None:
+    """Create the job's token Secret once and record it in ``status.tokenSecret`` (never
+    rewritten: running workers hold the token). The operator may not read Secrets, so a Secret
+    of that name it did not record is someone else's: its value would reach pods that run the
+    job's image, and it is refused (NotOurs). A job that ran under an operator from before the
+    record (it has a startTime) keeps the Secret it has, which is recorded then."""
+    name = obj["metadata"]["name"]
+    status = job.get("status") or {}
     try:
         kube.create(_with_generated_token(obj))
     except ApiException as exc:
         if exc.status != 409:
             raise
+        if status.get("tokenSecret") == name:
+            return
+        if not status.get("startTime"):
+            raise NotOurs(obj, job, "was not created by the operator for this job") from None
+    _record_token(kube, job, name)
+
+
+def _record_token(kube: Kube, job: dict[str, Any], name: str) -> None:
+    meta = job["metadata"]
+    written = kube.merge_patch(
+        f"{GROUP}/{VERSION}",
+        "RLJob",
+        meta["namespace"],
+        meta["name"],
+        {"status": {"tokenSecret": name}},
+        subresource="status",
+    )
+    job.setdefault("status", {})["tokenSecret"] = name
+    version = ((written or {}).get("metadata") or {}).get("resourceVersion")
+    if version and meta.get("resourceVersion"):  # the pass's status write follows this one
+        meta["resourceVersion"] = version
 
 
 def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:

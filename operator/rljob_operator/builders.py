@@ -185,6 +185,13 @@ def owner_reference(job: JobRef) -> dict[str, Any]:
     }
 
 
+def owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    """Whether ``obj`` names the object of ``uid`` among its ownerReferences (a label is anyone's
+    to set; only an ownerReference by uid says a child is the job's)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return bool(uid) and any(ref.get("uid") == uid for ref in refs)
+
+
 def _metadata(job: JobRef, name: str, role: Role | None = None) -> dict[str, Any]:
     return {
         "name": name,

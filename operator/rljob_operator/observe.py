@@ -14,6 +14,7 @@ from rljob_operator.builders import (
     VOLCANO,
     JobRef,
     checkpoint_claim_name,
+    owned_by,
 )
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import (
@@ -39,20 +40,29 @@ def observe_job(
     if job is None:
         return None
     selector = f"{LABEL_JOB}={name}"
-    pods = kube.list("v1", "Pod", namespace, selector)
-    services = kube.list("v1", "Service", namespace, selector)
-    configmaps = kube.list("v1", "ConfigMap", namespace, selector)
+    uid = job["metadata"].get("uid")
+
+    def owned(api_version: str, kind: str) -> list[dict[str, Any]]:
+        """The job's children of ``kind``: labelled for it and owned by it (anyone may put the
+        label on an object; one the job does not own is not its child, and is never read as
+        one: not as a pod, nor as a progress report)."""
+        items = kube.list(api_version, kind, namespace, selector)
+        return [o for o in items if owned_by(o, uid)]
+
+    pods = owned("v1", "Pod")
+    services = owned("v1", "Service")
+    configmaps = owned("v1", "ConfigMap")
     children = {("Service", s["metadata"]["name"]): s for s in services}
     children |= {
-        ("ServiceAccount", a["metadata"]["name"]): a
-        for a in kube.list("v1", "ServiceAccount", namespace, selector)
+        ("ServiceAccount", a["metadata"]["name"]): a for a in owned("v1", "ServiceAccount")
     }
     for kind in ("Role", "RoleBinding"):
-        items = kube.list("rbac.authorization.k8s.io/v1", kind, namespace, selector)
+        items = owned("rbac.authorization.k8s.io/v1", kind)
         children |= {(kind, i["metadata"]["name"]): i for i in items}
     children |= {
         ("NetworkPolicy", p["metadata"]["name"]): p
         for p in observe_network_policies(kube, namespace, selector)
+        if owned_by(p, uid)
     }
     gang_api = True
     if job.get("spec", {}).get("scheduling", {}).get("gang"):
@@ -68,7 +78,10 @@ def observe_job(
         services=frozenset(s["metadata"]["name"] for s in services),
         configmaps={c["metadata"]["name"]: c for c in configmaps},
         secrets=frozenset(
-            [f"{name}-token"] if job["metadata"].get("uid") in (tokens or set()) else []
+            [f"{name}-token"]
+            if job["metadata"].get("uid") in (tokens or set())
+            or (job.get("status") or {}).get("tokenSecret") == f"{name}-token"
+            else []
         ),
         present=frozenset(present),
         children=children,
@@ -152,11 +165,12 @@ def observe_pod_groups(
     scheduler = job["spec"].get("scheduling", {}).get("schedulerName")
     api = PODGROUP_API[VOLCANO if scheduler == VOLCANO else "scheduler-plugins"]
     try:
-        return kube.list(api, "PodGroup", namespace, selector)
+        groups = kube.list(api, "PodGroup", namespace, selector)
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
+    return [g for g in groups if owned_by(g, job["metadata"].get("uid"))]
 
 
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"

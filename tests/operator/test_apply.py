@@ -224,3 +224,123 @@ def test_apply_plan_status_refused_for_another_reason_still_raises() -> None:
     api = Conflict(together=1, wait_for=())
     with pytest.raises(ApiException):
         apply_plan(api, JOB, Plan(status_patch={"phase": "Running"}))  # type: ignore[arg-type]
+
+
+class NamesTaken(StatusRecorder):
+    """A namespace where some of the job's names are taken: ``taken`` maps kind/name to the
+    object there (with or without an ownerReference to the job)."""
+
+    def __init__(self, taken: dict[str, dict[str, Any]]) -> None:
+        super().__init__(together=1, wait_for=())
+        self.taken = taken
+        self.applied: list[str] = []
+        self.created: list[str] = []
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        if name in self.taken:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.created.append(name)
+        return obj
+
+    def get(self, _api: str, kind: str, _ns: str, name: str) -> dict[str, Any] | None:
+        return self.taken.get(f"{kind}/{name}")
+
+    def server_side_apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        return obj
+
+
+OWNED = {"metadata": {"ownerReferences": [{"uid": "u1", "kind": "RLJob", "name": "j"}]}}
+FOREIGN = {"metadata": {"labels": {"rljob.io/job": "j"}, "ownerReferences": [{"uid": "other"}]}}
+UNOWNED: dict[str, Any] = {"metadata": {}}
+
+
+def test_apply_plan_never_overwrites_or_adopts_an_object_the_job_does_not_own() -> None:
+    """#27 item 5: server-side apply with force took over a same-named object (an unlabelled
+    ConfigMap, Service, Role...), and garbage collection then deleted it with the job. Now a
+    taken name is read: the job's own object is updated, anyone else's is left as it is and
+    reported, and the pods (which would read it) are not created."""
+    api = NamesTaken(
+        {"ConfigMap/j-config": UNOWNED, "Service/j-trainer": FOREIGN, "Role/j-worker": OWNED}
+    )
+    plan = Plan(
+        apply=(
+            child("ConfigMap", "j-config"),
+            child("Service", "j-trainer"),
+            child("Role", "j-worker"),
+            child("ServiceAccount", "j-worker"),
+            *pods(2),
+        )
+    )
+    refused = apply_plan(api, JOB, plan)  # type: ignore[arg-type]
+    assert {(r.kind, r.name) for r in refused} == {
+        ("ConfigMap", "j-config"),
+        ("Service", "j-trainer"),
+    }
+    assert all("neither overwrites nor adopts it" in r.message for r in refused)
+    assert "is not owned by this job" in refused[0].message
+    assert api.applied == ["Role/j-worker"]  # its own Role, drifted: updated
+    assert api.created == ["ServiceAccount/j-worker"]
+    assert not [n for n in api.created if n.startswith("Pod/")]
+
+
+def test_apply_plan_a_pod_of_the_job_that_exists_is_left_alone() -> None:
+    api = NamesTaken({"Pod/j-rollout-0": OWNED})
+    assert apply_plan(api, JOB, Plan(apply=tuple(pods(2)))) == ()  # type: ignore[arg-type]
+    assert api.created == ["Pod/j-rollout-1"] and api.applied == []
+    foreign = NamesTaken({"Pod/j-rollout-0": UNOWNED})
+    (refusal,) = apply_plan(foreign, JOB, Plan(apply=tuple(pods(1))))  # type: ignore[arg-type]
+    assert refusal.kind == "Pod" and "is not owned by this job" in refusal.message
+
+
+def token_secret() -> dict[str, Any]:
+    return {
+        **child("Secret", "j-token"),
+        "stringData": {"token": "__generated__"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "refused"),
+    [
+        ({}, True),  # a new job: a Secret of its name is someone else's
+        ({"tokenSecret": "j-token"}, False),  # the operator created it before
+        ({"startTime": "2026-01-01T00:00:00Z"}, False),  # ran under an earlier operator
+    ],
+)
+def test_apply_plan_token_secret_of_that_name_used_only_when_the_operator_made_it(
+    status: dict[str, Any], refused: bool
+) -> None:
+    """#27 item 5: an existing <job>-token Secret was reused, so a value someone else chose
+    landed in pods that run the job's image. The operator may not read Secrets: it records the
+    Secret it creates (status.tokenSecret) and refuses a Secret of that name it did not make."""
+    api = NamesTaken({"Secret/j-token": UNOWNED})
+    job = {**JOB, "apiVersion": "rljob.io/v1beta1", "kind": "RLJob", "status": dict(status)}
+    out = apply_plan(api, job, Plan(apply=(token_secret(), *pods(1))))  # type: ignore[arg-type]
+    if refused:
+        (refusal,) = out
+        assert refusal.kind == "Secret"
+        assert "was not created by the operator for this job" in refusal.message
+        assert api.created == []  # no pod reads a token someone else chose
+    else:
+        assert out == () and api.created == ["Pod/j-rollout-0"]
+    recorded = [p for p in api.patches if p["body"].get("status", {}).get("tokenSecret")]
+    assert bool(recorded) == (not refused and "tokenSecret" not in status)
+
+
+def test_apply_plan_new_token_secret_recorded_before_the_status_write() -> None:
+    class Recording(NamesTaken):
+        def merge_patch(self, *args: Any, subresource: str | None = None) -> dict[str, Any]:
+            super().merge_patch(*args, subresource=subresource)
+            return {"metadata": {"resourceVersion": str(len(self.patches) + 1)}}
+
+    api = Recording({})
+    job = {**JOB, "metadata": {**JOB["metadata"]}}
+    plan = Plan(apply=(token_secret(),), status_patch={"phase": "Pending"})
+    assert apply_plan(api, job, plan) == ()  # type: ignore[arg-type]
+    assert api.created == ["Secret/j-token"]
+    first, second = (p["body"] for p in api.patches)
+    assert first == {"status": {"tokenSecret": "j-token"}}
+    # the pass's status write is conditional on the version: the one after the record
+    assert second["metadata"]["resourceVersion"] == "2"

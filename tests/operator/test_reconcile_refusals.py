@@ -82,3 +82,26 @@ def test_no_refusal_created_true() -> None:
     assert plan.status is not None
     created = {c["type"]: c for c in plan.status["conditions"]}["Created"]
     assert created["status"] == "True"
+
+
+def test_pods_wait_while_an_object_they_read_is_refused() -> None:
+    """#27 item 5: a same-named token Secret or ConfigMap the job does not own is refused and
+    held for its backoff; meanwhile no pod is created either (it would read that object)."""
+    observed = Observed(job=job_object("dapo-disaggregated"))
+    plan = reconcile(observed, now=NOW)
+    (secret,) = [o for o in plan.apply if o["kind"] == "Secret"]
+    message = f"Secret {secret['metadata']['name']}: already exists and was not created by ..."
+    refused = dataclasses.replace(
+        observed,
+        apply_errors=(message,),
+        apply_failures=1,
+        apply_held=frozenset({("Secret", secret["metadata"]["name"], child_digest(secret))}),
+        apply_retry_at=NOW + 30,
+    )
+    held = reconcile(refused, now=NOW + 1)
+    assert not [o for o in held.apply if o["kind"] in ("Pod", "Secret")]
+    assert [o for o in held.apply if o["kind"] == "ConfigMap"]  # the rest is still written
+    assert held.status is not None and "already exists" in held.status["message"]
+    after = reconcile(refused, now=NOW + 31)  # the backoff ends: written again, pods with it
+    assert [o for o in after.apply if o["kind"] == "Secret"]
+    assert [o for o in after.apply if o["kind"] == "Pod"]

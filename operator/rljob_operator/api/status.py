@@ -218,6 +218,12 @@ class RLJobStatus(StatusModel):
         "spec.checkpoint.ephemeral (deleted with the pods).",
     )
     start_time: AwareDatetime | None = Field(None, description="When the job started running.")
+    token_secret: str | None = Field(
+        None,
+        max_length=253,
+        description="The job's token Secret, once the operator created it (an existing Secret "
+        "of that name that it did not create is never used: its value would reach the pods).",
+    )
     completion_time: AwareDatetime | None = Field(
         None, description="When the job Succeeded or Failed."
     )

@@ -40,6 +40,7 @@ from rljob_operator.reconcile.phase import (
 )
 from rljob_operator.reconcile.shared import (
     FINISHED,
+    POD_INPUTS,
     EventSpec,
     ObjectRef,
     Observed,
@@ -72,6 +73,7 @@ __all__ = [
     "FINISHED",
     "GANG_UNAVAILABLE",
     "IMAGE_WAIT_REASONS",
+    "POD_INPUTS",
     "QUEUE_IGNORED",
     "RBAC_KINDS",
     "SCALE_REVERSAL_COOLDOWNS",

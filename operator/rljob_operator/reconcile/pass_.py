@@ -37,6 +37,7 @@ from rljob_operator.reconcile.phase import (
 )
 from rljob_operator.reconcile.shared import (
     FINISHED,
+    POD_INPUTS,
     Observed,
     Plan,
     Policy,
@@ -155,9 +156,13 @@ def _hold_refused(
         return to_apply, ()
     keep: list[dict[str, Any]] = []
     held: list[dict[str, Any]] = []
+    # pods read their ConfigMap, token Secret and ServiceAccount: while one of those is
+    # refused (a same-named object the job does not own), no pod would run on the job's own
+    consumed = any(kind in POD_INPUTS for kind, _, _ in observed.apply_held)
     for obj in to_apply:
         key = (obj["kind"], obj["metadata"]["name"], child_digest(obj))
-        (held if key in observed.apply_held else keep).append(obj)
+        blocked = key in observed.apply_held or (consumed and obj["kind"] == "Pod")
+        (held if blocked else keep).append(obj)
     if held:
         work.requeue.append(wait)
     return tuple(keep), tuple(f"{o['kind']}/{o['metadata']['name']}" for o in held)

@@ -124,6 +124,10 @@ class Refusal:
         return f"{self.kind} {self.name}: {self.message}"
 
 
+POD_INPUTS = ("ConfigMap", "Secret", "ServiceAccount")
+"""Children the pods consume: while one is refused, the pods wait for it."""
+
+
 def child_digest(obj: dict[str, Any]) -> str:
     """A digest of a child as written: a refused child is held back (backoff) only while what
     would be sent is the same; a changed spec writes its new version at once."""
