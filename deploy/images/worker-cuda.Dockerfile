@@ -29,6 +29,9 @@ LABEL org.opencontainers.image.title="rljob-worker" \
       org.opencontainers.image.description="RLJob rollout/trainer worker (vLLM CUDA + PyTorch, NCCL)" \
       org.opencontainers.image.version="0.1.0-cuda" \
       org.opencontainers.image.licenses="Apache-2.0"
+# NVIDIA_VISIBLE_DEVICES=void: the CUDA base sets "all", which makes the NVIDIA container runtime
+# hand every GPU of the node to a container that requested none; the device plugin sets the
+# devices a pod was given, so a pod sees those and no others
 RUN useradd --uid 65532 --user-group --create-home --home-dir /home/rljob rljob
 COPY --from=build /opt/python /opt/python
 COPY --from=build /opt/rljob /opt/rljob
@@ -36,7 +39,7 @@ ENV PATH=/opt/rljob/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/rljob \
-    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_VISIBLE_DEVICES=void \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 65532:65532
 WORKDIR /home/rljob

@@ -243,3 +243,13 @@ def test_operator_image_build_backend_pinned_from_lock() -> None:
     setuptools = lock_pin(REPO / "requirements" / "lock.txt", "setuptools")
     assert f'"setuptools=={setuptools}"' in text
     assert '".[operator]"' in text and "torch" not in text.split("FROM")[-1]
+
+
+def test_worker_cuda_image_exposes_no_gpu_it_was_not_given() -> None:
+    """#27 item 10: the CUDA base image sets NVIDIA_VISIBLE_DEVICES=all, so with the NVIDIA
+    runtime a worker pod that requested no GPU saw every GPU of its node. The final stage sets
+    void; the device plugin's allocation names the GPUs a pod was given."""
+    final = (IMAGES / "worker-cuda.Dockerfile").read_text().split("\nFROM ")[-1]
+    code = "\n".join(line for line in final.splitlines() if not line.lstrip().startswith("#"))
+    env = re.findall(r"NVIDIA_VISIBLE_DEVICES=(\S+)", code)
+    assert env == ["void"]
