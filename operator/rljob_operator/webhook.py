@@ -60,10 +60,12 @@ ROTATE_AT_FRACTION = 1 / 3
 
 @dataclass(frozen=True)
 class Certificates:
-    """PEM text of the CA, its key, the serving certificate and key, and the published bundle."""
+    """PEM text of the CA, the serving certificate and key, and the published bundle. The CA's
+    private key signs the serving certificate once, at issue, and is dropped: a rotation issues
+    a new CA, so nothing needs it later, and a stored key would let whoever reads the Secret
+    mint certificates the API server trusts."""
 
     ca: str
-    ca_key: str
     cert: str
     key: str
     bundle: str
@@ -73,7 +75,6 @@ class Certificates:
             k: base64.b64encode(v.encode()).decode()
             for k, v in {
                 "ca.crt": self.ca,
-                "ca.key": self.ca_key,
                 "tls.crt": self.cert,
                 "tls.key": self.key,
                 "bundle.crt": self.bundle,
@@ -87,9 +88,7 @@ class Certificates:
             text = {k: base64.b64decode(data[k]).decode() for k in _SECRET_KEYS}
         except (KeyError, ValueError):
             return None
-        return cls(
-            text["ca.crt"], text["ca.key"], text["tls.crt"], text["tls.key"], text["bundle.crt"]
-        )
+        return cls(text["ca.crt"], text["tls.crt"], text["tls.key"], text["bundle.crt"])
 
     def not_after(self) -> datetime.datetime:
         return x509.load_pem_x509_certificate(self.cert.encode()).not_valid_after_utc
@@ -114,7 +113,9 @@ class Certificates:
         return short or too_long or not set(hosts) <= self.names()
 
 
-_SECRET_KEYS = ("ca.crt", "ca.key", "tls.crt", "tls.key", "bundle.crt")
+_SECRET_KEYS = ("ca.crt", "tls.crt", "tls.key", "bundle.crt")
+_DROPPED_KEYS = ("ca.key",)
+"""Keys an earlier release stored that are removed at the next start (the CA's private key)."""
 
 
 def issue_certificates(
@@ -161,7 +162,6 @@ def issue_certificates(
     ca_pem = ca.public_bytes(serialization.Encoding.PEM).decode()
     return Certificates(
         ca=ca_pem,
-        ca_key=_key_pem(ca_key),
         cert=cert.public_bytes(serialization.Encoding.PEM).decode(),
         key=_key_pem(key),
         bundle=ca_pem + previous_ca,
@@ -204,9 +204,16 @@ def ensure_certificate(
     for _ in range(5):
         secret = kube.get("v1", "Secret", namespace, name)
         current = Certificates.from_secret(secret) if secret else None
-        if current is not None and not current.due(now, hosts, validity):
+        stale_keys = secret is not None and any(
+            k in (secret.get("data") or {}) for k in _DROPPED_KEYS
+        )
+        if current is not None and not current.due(now, hosts, validity) and not stale_keys:
             return current
-        fresh = issue_certificates(hosts, validity, now, current.ca if current else "")
+        fresh = (
+            current
+            if current is not None and not current.due(now, hosts, validity)
+            else issue_certificates(hosts, validity, now, current.ca if current else "")
+        )
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Secret",
@@ -226,7 +233,9 @@ def ensure_certificate(
             raise
         log.info(
             "webhook certificate %s for %s, valid until %s",
-            "issued" if secret is None else "rotated",
+            "issued"
+            if secret is None
+            else ("rotated" if fresh is not current else "kept, its CA's private key deleted"),
             ", ".join(hosts),
             fresh.not_after(),
         )
