@@ -2,7 +2,8 @@
 
 At-least-once delivery: ``submit`` keeps a trajectory as *pending* until the trainer acks it;
 ``flush`` sends pending trajectories in batches and retries transport failures (refused or cut
-connections, timeouts, 5xx) with jittered exponential backoff until everything is acked or the
+connections, timeouts, 5xx, 429) with jittered exponential backoff, never sooner than a
+Retry-After the server sent, until everything is acked or the
 deadline passes. Nothing is forgotten on a failure: the next ``flush`` sends it again, so a
 trainer restart costs time, not data. The server de-duplicates by id, so a retry after a lost ack
 is harmless. A refused token (401/403) raises ``AuthError`` at once: retrying cannot fix it.
@@ -59,7 +60,27 @@ class ClientStats:
 
 
 class _Retryable(Exception):
-    pass
+    """A failure a later attempt may not meet; ``retry_after``: the server's Retry-After (s)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+RETRY_AFTER_MAX_S = 60.0
+"""The longest Retry-After a client honours (a larger one is taken as this)."""
+
+
+def retry_after_seconds(header: str | None) -> float | None:
+    """A Retry-After header in seconds (delta-seconds form; an HTTP date or junk: None),
+    at most RETRY_AFTER_MAX_S."""
+    try:
+        seconds = float((header or "").strip())
+    except ValueError:
+        return None
+    if not seconds >= 0:  # negative or NaN
+        return None
+    return min(seconds, RETRY_AFTER_MAX_S)
 
 
 class _Unsupported(Exception):
@@ -213,7 +234,10 @@ class ExperienceClient:
                         f"({err}); {len(self._pending)} trajectories kept pending"
                     ) from None
                 self.stats.retries += 1
-                time.sleep(min(self._rng.uniform(delay / 2, delay), remaining))
+                pause = self._rng.uniform(delay / 2, delay)  # jitter: clients do not stampede
+                if err.retry_after is not None:  # the server said when: not before that
+                    pause = max(pause, err.retry_after)
+                time.sleep(min(pause, remaining))
                 delay = min(delay * 2, self.backoff[1])
 
     def _request_once(
@@ -246,6 +270,9 @@ class ExperienceClient:
             and response.status in (400, 415)
         ):
             raise _Unsupported
+        if response.status >= 500 or response.status == 429:  # overloaded, restarting
+            after = retry_after_seconds(response.getheader("Retry-After"))
+            raise _Retryable(f"HTTP {response.status}", after)
         return self._interpret(response.status, payload)
 
     def _interpret(self, status: int, payload: bytes) -> Any:

@@ -49,6 +49,7 @@ from rljob_workers.transport.authhttp import (
     Response,
     json_response,
 )
+from rljob_workers.transport.client import retry_after_seconds
 from rljob_workers.weightsync.codec import (
     Compression,
     DecodedWeights,
@@ -301,6 +302,7 @@ class WeightClient:
         self._pool = TensorPool() if reuse_buffers else None
         self.request_timeout_s = request_timeout_s
         self._clock = clock
+        self._not_before = 0.0  # monotonic time before which the server asked not to be called
 
     def fetch_latest(
         self, *, after: int | None = None, wait_s: float = 0.0
@@ -324,7 +326,11 @@ class WeightClient:
     def _get(
         self, path: str, wait_s: float, read: Callable[[http.client.HTTPResponse], _T]
     ) -> _T | None:
-        """GET ``path`` and hand a 200 response to ``read``; None for 204."""
+        """GET ``path`` and hand a 200 response to ``read``; None for 204. A server that asked
+        for a pause (503 or 429 with Retry-After) is not asked again before it ends."""
+        wait = self._not_before - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
         conn = http.client.HTTPConnection(
             self._host, self._port, timeout=self.request_timeout_s + wait_s
         )
@@ -333,12 +339,15 @@ class WeightClient:
             response = conn.getresponse()
             status = response.status
             result = read(response) if status == 200 else response.read()
+            after = retry_after_seconds(response.getheader("Retry-After"))
         except (OSError, http.client.HTTPException, ValueError) as err:
             raise ConnectionError(f"weights from {self._host}:{self._port}: {err}") from err
         finally:
             conn.close()
         if status == 200:
             return cast(_T, result)
+        if after is not None and status in (429, 503):
+            self._not_before = time.monotonic() + after
         self._check_status(status, cast(bytes, result))
         return None
 
