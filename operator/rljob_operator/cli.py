@@ -253,12 +253,12 @@ def _start_webhook(args: argparse.Namespace) -> None:
         manage_crd=args.manage_crd,
         migrate=args.migrate_storage,
     )
-    start_webhook(Kube.connect(), settings)
+    start_webhook(Kube.connect(fenced=False), settings)  # every replica: not the leader's fence
 
 
 def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -> None:
     """Stand by until this replica holds the Lease, then run the controller while renewing it."""
-    from rljob_operator.kube import Kube
+    from rljob_operator.kube import Kube, fence_writes
     from rljob_operator.leader import (
         LeaderElector,
         default_identity,
@@ -267,7 +267,7 @@ def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -
     )
 
     elector = LeaderElector(
-        Kube.connect(retries=False),
+        Kube.connect(retries=False, fenced=False),
         namespace=args.leader_election_namespace or default_namespace(),
         name=args.leader_election_id,
         identity=default_identity(),
@@ -285,6 +285,7 @@ def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -
             health.shutdown()
             health.server_close()
         elector.start_renewing()
+        fence_writes(elector.check_held)  # the controller writes only while the Lease is fresh
         run_controller()
     finally:
         elector.release()

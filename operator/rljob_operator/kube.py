@@ -7,6 +7,7 @@ out as plain dicts (camelCase, exactly as the API server sends them).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +60,31 @@ def resource_path(
     return path
 
 
+_write_fence: Callable[[], None] | None = None
+
+
+def fence_writes(check: Callable[[], None] | None) -> None:
+    """From now on every write of a fenced client calls ``check`` first, which raises when this
+    process may no longer write (leader election: a leader that was paused past its renew
+    deadline may have lost the Lease; it writes nothing until a renewal says it still holds it).
+    None lifts the fence."""
+    global _write_fence
+    _write_fence = check
+
+
 @dataclass
 class Kube:
-    """A configured API client (kubeconfig or in-cluster)."""
+    """A configured API client (kubeconfig or in-cluster). ``fenced``: its writes pass the
+    process's write fence (the controller's; not the Lease's own writes, nor the webhook's,
+    which every replica makes)."""
 
     api: client.ApiClient
+    fenced: bool = True
 
     @classmethod
-    def connect(cls, kubeconfig: str | None = None, *, retries: bool = True) -> Kube:
+    def connect(
+        cls, kubeconfig: str | None = None, *, retries: bool = True, fenced: bool = True
+    ) -> Kube:
         """Load in-cluster config when running in a pod, else the kubeconfig. ``retries=False``:
         no transparent urllib3 retries, so a call's timeout bounds it (leader election)."""
         cfg = client.Configuration()
@@ -81,7 +99,7 @@ class Kube:
             cfg.retries = False
         if not cfg.verify_ssl:  # the kubeconfig asked for it (e.g. a loopback test cluster)
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
-        return cls(client.ApiClient(cfg))
+        return cls(client.ApiClient(cfg), fenced=fenced)
 
     def request(
         self,
@@ -95,6 +113,8 @@ class Kube:
     ) -> Any:
         """One REST call; returns the decoded JSON body (None for an empty body). Every write
         names this operator's field manager, so managedFields say who set what."""
+        if method != "GET" and self.fenced and _write_fence is not None:
+            _write_fence()  # raises when this replica may have lost the right to write
         if method in ("POST", "PUT", "PATCH"):
             query = {"fieldManager": FIELD_MANAGER, **(query or {})}
         method_, url, headers, payload, post = self.api.param_serialize(

@@ -182,6 +182,10 @@ def default_namespace() -> str:
     return "default"
 
 
+class LeadershipLost(RuntimeError):
+    """This replica may no longer act as the leader: it has not renewed its Lease in time."""
+
+
 def exit_now() -> None:
     """Leave at once (no graceful kopf shutdown: a new leader may already be acting)."""
     log.critical("leader Lease lost; exiting so that the Deployment restarts this replica")
@@ -315,6 +319,25 @@ class LeaderElector:
                 if not self._stop.is_set():
                     on_lost()
                 return
+
+    def check_held(self) -> None:
+        """Raise LeadershipLost unless the last renewal is younger than the renew deadline.
+
+        The write fence of the leader's controller: a process paused (SIGSTOP, a frozen VM, a
+        long GC) past its renew deadline may have lost the Lease to a standby by the time it
+        runs again, before its renewer notices; every write checks this first, so nothing is
+        written until a renewal shows the Lease is still held (or the renewer exits)."""
+        renewed = self._renewed_at
+        if renewed is None or self.clock() - renewed >= self.renew_deadline:
+            age = (
+                "never renewed"
+                if renewed is None
+                else f"last renewed {self.clock() - renewed:.1f} s ago"
+            )
+            raise LeadershipLost(
+                f"Lease {self.namespace}/{self.name}: {age} (renew deadline "
+                f"{self.renew_deadline:g} s); not writing until it is renewed"
+            )
 
     def start_renewing(self, on_lost: Callable[[], None] = exit_now) -> None:
         """Renew in a daemon thread while the caller does the leader's work."""

@@ -24,10 +24,11 @@ from datetime import UTC, datetime
 import pytest
 from kubernetes import client
 
-from rljob_operator.kube import Kube
+from rljob_operator.kube import Kube, fence_writes
 from rljob_operator.leader import (
     Action,
     LeaderElector,
+    LeadershipLost,
     LeaseRecord,
     ObservedLease,
     build_lease,
@@ -228,3 +229,66 @@ def test_renew_against_frozen_api_server_steps_down_before_lease_expires(
     assert lost.wait(timeout=elector.lease_duration), "still acting after its lease expired"
     assert time.monotonic() - elector._renewed_at < elector.lease_duration
     elector.stop()
+
+
+class _Recorder:
+    """An ApiClient stand-in that records the calls that reach the wire."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def param_serialize(self, method: str, path: str, **_: object) -> tuple[object, ...]:
+        self.calls.append(f"{method} {path}")
+        raise ConnectionError("no API server here")
+
+
+@pytest.fixture
+def fence() -> Iterator[None]:
+    yield
+    fence_writes(None)
+
+
+def test_a_leader_paused_past_its_renew_deadline_writes_nothing(fence: None) -> None:
+    """#27 item 10: writes are fenced after a process pause. A leader SIGSTOPped (or a VM frozen)
+    for longer than its renew deadline may have lost the Lease to a standby; when it runs again,
+    its handler threads wrote before the renewer noticed. Now every write of the controller's
+    client first checks that the last renewal is younger than the renew deadline."""
+    now = [100.0]
+    elector = LeaderElector(
+        kube=None,  # type: ignore[arg-type]  # no call reaches it here
+        namespace="ops",
+        name="l",
+        identity="me",
+        lease_duration=15,
+        renew_deadline=10.0,
+        retry_period=2.0,
+        clock=lambda: now[0],
+    )
+    with pytest.raises(LeadershipLost, match="never renewed"):
+        elector.check_held()
+    elector._renewed_at = 100.0
+    now[0] = 109.0
+    elector.check_held()  # fresh: the renewer renews every 2 s
+    api = _Recorder()
+    controller = Kube(api, fenced=True)  # type: ignore[arg-type]
+    lease_client = Kube(_Recorder(), fenced=False)  # type: ignore[arg-type]
+    fence_writes(elector.check_held)
+    now[0] = 125.0  # a 25 s pause
+    with pytest.raises(LeadershipLost, match=r"last renewed 25\.0 s ago"):
+        controller.merge_patch("v1", "ConfigMap", "ns", "x", {"data": {}})
+    with pytest.raises(LeadershipLost):
+        controller.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}})
+    with pytest.raises(LeadershipLost):
+        controller.delete("v1", "Pod", "ns", "p")
+    assert api.calls == []  # nothing reached the wire
+    with pytest.raises(ConnectionError):  # reads are not fenced
+        controller.get("v1", "Pod", "ns", "p")
+    with pytest.raises(ConnectionError):  # nor the Lease's own writes (how it learns its fate)
+        lease_client.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/ops/leases/l")
+    elector._renewed_at = 125.0  # renewed: still the leader
+    with pytest.raises(ConnectionError):
+        controller.merge_patch("v1", "ConfigMap", "ns", "x", {"data": {}})
+    assert api.calls == [
+        "GET /api/v1/namespaces/ns/pods/p",
+        "PATCH /api/v1/namespaces/ns/configmaps/x",
+    ]
