@@ -6,7 +6,9 @@
   webhook's message and changes nothing: no object created, an existing one keeps its
   generation and spec;
 - the webhook certificate rotated while a job runs: the CRD's caBundle and the served certificate
-  change, every v1alpha1 read in between succeeds, and no pod of the job restarts.
+  change, every v1alpha1 read in between succeeds, and no pod of the job restarts;
+- the same with the CRD written only by a separate CRD manager (``--crd-manager``), the
+  controller never touching it (``--no-configure-crd``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -157,4 +161,71 @@ def test_webhook_certificate_rotated_while_job_runs(
         print(f"rotation: {len(served) - 1} certificates rotated, {reads} v1alpha1 reads, all ok")
     finally:
         short.kill(signal.SIGTERM)
+        operator.start()
+
+
+def crd_client(cluster: LocalCluster) -> dict[str, Any]:
+    crd = get_json(cluster, "crd", "rljobs.rljob.io")
+    return crd["spec"]["conversion"]["webhook"]["clientConfig"]  # type: ignore[no-any-return]
+
+
+def test_crd_managed_apart_from_the_controller(
+    cluster: LocalCluster,
+    operator: OperatorProcess,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
+    """#27 item 8: with ``--no-configure-crd`` the controller serves conversions and rotates its
+    certificate but never writes the CRD; a ``--crd-manager`` process (the chart's
+    crdManager.enabled, the only holder of the CRD right) points the CRD at it and follows its
+    rotations, and every v1alpha1 read in between succeeds."""
+    operator.kill(signal.SIGTERM)
+    controller = OperatorProcess(
+        cluster,
+        tmp_path / "controller.log",
+        args=(
+            "--all-namespaces",
+            "--no-configure-crd",
+            "--webhook-cert-validity-hours=0.01",  # 36 s: re-issued when 12 s are left
+            "--webhook-check-seconds=1",
+        ),
+    )
+    manager: subprocess.Popen[bytes] | None = None
+    try:
+        controller.start()
+        before = crd_client(cluster)
+        time.sleep(3)
+        assert crd_client(cluster) == before  # the controller did not repoint it
+        assert str(controller.webhook_port) not in str(before.get("url"))
+        log = open(tmp_path / "crd-manager.log", "ab")  # noqa: SIM115 - handed to the child
+        manager = subprocess.Popen(
+            [
+                sys.executable, "-m", "rljob_operator", "--crd-manager",
+                f"--webhook-port={controller.webhook_port}", "--webhook-check-seconds=1",
+            ],
+            env=cluster.env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+        wait_for(
+            lambda: f":{controller.webhook_port}/" in str(crd_client(cluster).get("url")),
+            30,
+            "the CRD manager to point the CRD at the controller's webhook",
+        )
+        apply(cluster, namespace, alpha_manifest("grpo-colocated", "apart"))
+        bundles, served, reads = set(), set(), 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(bundles) < 3 or len(served) < 3):
+            got = get_json(cluster, "rljobs.v1alpha1.rljob.io", "apart", "-n", namespace)
+            assert got["apiVersion"] == ALPHA
+            reads += 1
+            bundles.add(crd_client(cluster)["caBundle"])
+            served.add(served_certificate(controller.webhook_port))
+            time.sleep(0.5)
+        assert len(bundles) >= 3 and len(served) >= 3, (len(bundles), len(served))
+        print(f"split: {len(served) - 1} rotations followed by the CRD manager, {reads} reads ok")
+    finally:
+        if manager is not None:
+            manager.terminate()
+            manager.wait(timeout=20)
+        controller.kill(signal.SIGTERM)
         operator.start()

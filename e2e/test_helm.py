@@ -12,6 +12,8 @@
 - ``helm uninstall`` leaves no cluster-scoped object behind except the CRD;
 - namespace scope: the operator started with ``--namespace X`` under the namespaced Role
   reconciles a job in X, and its token cannot create pods outside X;
+- with crdManager.enabled the operator's token cannot patch the RLJob CRD (a separate CRD
+  manager's can, and nothing else), and the operator still reconciles with it;
 - GitOps: ``kubectl kustomize deploy/kustomize/base`` renders, and the API server accepts the result
   (server-side apply, dry run) with no Pod Security warning under the ``restricted`` level its
   namespace enforces.
@@ -414,6 +416,72 @@ def test_namespace_scope_operator_reconciles_only_its_namespace(
             assert out.stdout.strip() == allowed, ns
         out = cluster.kubectl("auth", "can-i", "list", "rljobs", "-A", token=token, check=False)
         assert out.stdout.strip() == "no"
+    finally:
+        for proc, namespaces in operator_as:
+            for ns in namespaces:
+                cluster.kubectl("delete", "rljobs", "--all", "-n", ns, "--timeout=60s", check=False)
+            proc.kill(signal.SIGTERM)
+        operator_as.clear()
+        uninstall(cluster, rel)
+
+
+def test_crd_manager_mode_takes_the_crd_right_from_the_operator(
+    cluster: LocalCluster,
+    namespace: str,
+    operator_as: list[tuple[OperatorProcess, list[str]]],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """#27 item 8, what each mode's token is refused: a namespace-scoped operator may patch the
+    RLJob CRD (and so repoint its conversion webhook); with crdManager.enabled it may only read
+    it, the CRD manager's token may patch it but create no pod and read no other Secret, and the
+    operator run with its own token still reconciles a job without a permission error."""
+    request.getfixturevalue("release")  # the chart's CRD is in place, the session operator stopped
+    crd = ["customresourcedefinitions/rljobs.rljob.io"]
+
+    def can(token: str, verb: str, what: list[str], *where: str) -> str:
+        out = cluster.kubectl("auth", "can-i", verb, *what, *where, token=token, check=False)
+        return out.stdout.strip()
+
+    plain = Release("rljp", f"rljob-np-{uuid.uuid4().hex[:6]}")
+    install(
+        cluster, plain, "--set", "rbac.scope=namespace", "--set", f"watchNamespaces={{{namespace}}}"
+    )
+    try:
+        assert can(sa_token(cluster, plain), "patch", crd) == "yes"  # the risk this mode removes
+    finally:
+        uninstall(cluster, plain)
+    rel = Release("rljs", f"rljob-split-{uuid.uuid4().hex[:6]}")
+    install(
+        cluster, rel, "--set", "rbac.scope=namespace", "--set", f"watchNamespaces={{{namespace}}}",
+        "--set", "crdManager.enabled=true",
+    )  # fmt: skip
+    try:
+        operator_token = sa_token(cluster, rel)
+        out = cluster.kubectl("create", "token", f"{rel.fullname}-crd-manager", "-n", rel.namespace)
+        manager_token = out.stdout.strip()
+        assert can(operator_token, "patch", crd) == "no"
+        assert can(operator_token, "get", crd) == "yes"
+        assert can(operator_token, "create", ["pods"], "-n", namespace) == "yes"
+        assert can(manager_token, "patch", crd) == "yes"
+        for verb, what, where in (
+            ("create", ["pods"], ["-n", namespace]),
+            ("create", ["pods"], ["-n", rel.namespace]),
+            ("list", ["secrets"], ["-n", rel.namespace]),
+            ("get", ["secrets/other"], ["-n", rel.namespace]),
+            ("create", ["rolebindings"], ["-n", namespace]),
+            ("delete", ["rljobs"], ["-A"]),
+        ):
+            assert can(manager_token, verb, what, *where) == "no", (verb, what)
+        secret = [f"secrets/{rel.fullname}-webhook-cert"]
+        assert can(manager_token, "get", secret, "-n", rel.namespace) == "yes"
+        proc = start_operator_as(cluster, rel, tmp_path, operator_as, [namespace])
+        assert "--no-configure-crd" in proc.args
+        cluster.kubectl(
+            "apply", "-n", namespace, "-f", str(REPO / "examples" / "grpo-colocated.yaml")
+        )
+        wait_running(cluster, namespace, "grpo-colocated", 2)
+        assert_no_permission_errors(proc)
     finally:
         for proc, namespaces in operator_as:
             for ns in namespaces:

@@ -88,6 +88,8 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--verbose", "-v", action="store_true")
     parser.add_argument("--version", action="version", version=f"rljob-operator {__version__}")
     args = parser.parse_args(argv)
+    if args.crd_manager:
+        return _run_crd_manager(args)
 
     import kopf
     from prometheus_client import start_http_server
@@ -225,6 +227,21 @@ def _add_webhook_flags(parser: argparse.ArgumentParser) -> None:
         help="only point the CRD's conversion at this webhook; do not apply this build's schema",
     )
     group.add_argument(
+        "--no-configure-crd",
+        dest="configure_crd",
+        action="store_false",
+        help="never write the CRD: serve conversions and rotate the certificate, and leave the "
+        "CRD's conversion stanza, schema and storage migration to a --crd-manager process (so "
+        "this one's ServiceAccount needs no right to patch the CRD)",
+    )
+    group.add_argument(
+        "--crd-manager",
+        action="store_true",
+        help="run only the CRD manager: point the CRD's conversion at --webhook-service with "
+        "the CA bundle in --webhook-cert-secret (read, never written), apply this build's "
+        "schema, migrate storage; no controller, no webhook server",
+    )
+    group.add_argument(
         "--no-migrate-storage",
         dest="migrate_storage",
         action="store_false",
@@ -232,17 +249,16 @@ def _add_webhook_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _start_webhook(args: argparse.Namespace) -> None:
+def _webhook_settings(args: argparse.Namespace) -> Any:
     import datetime
 
-    from rljob_operator.kube import Kube
-    from rljob_operator.webhook import WebhookSettings, start_webhook
+    from rljob_operator.webhook import WebhookSettings
 
     secret = args.webhook_cert_secret or (
         f"{os.environ.get('POD_NAMESPACE') or 'default'}/rljob-operator-webhook"
     )
     namespace, _, name = secret.partition("/")
-    settings = WebhookSettings(
+    return WebhookSettings(
         port=args.webhook_port,
         service=args.webhook_service,
         url_host=args.webhook_host,
@@ -252,8 +268,28 @@ def _start_webhook(args: argparse.Namespace) -> None:
         check_seconds=args.webhook_check_seconds,
         manage_crd=args.manage_crd,
         migrate=args.migrate_storage,
+        configure_crd=args.configure_crd,
     )
-    start_webhook(Kube.connect(fenced=False), settings)  # every replica: not the leader's fence
+
+
+def _start_webhook(args: argparse.Namespace) -> None:
+    from rljob_operator.kube import Kube
+    from rljob_operator.webhook import start_webhook
+
+    # every replica serves conversions: its writes are not fenced by the leader's Lease
+    start_webhook(Kube.connect(fenced=False), _webhook_settings(args))
+
+
+def _run_crd_manager(args: argparse.Namespace) -> int:
+    from rljob_operator.kube import Kube
+    from rljob_operator.webhook import run_crd_manager
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    run_crd_manager(Kube.connect(fenced=False), _webhook_settings(args))
+    return 0
 
 
 def _run_elected(args: argparse.Namespace, run_controller: Callable[[], None]) -> None:

@@ -662,6 +662,10 @@ class WebhookSettings:
     migrate: bool
     swap_grace_seconds: float = 5.0
     limits: WebhookLimits = WebhookLimits()
+    configure_crd: bool = True
+    """False: this process never writes the CRD (a separate ``--crd-manager`` points it at the
+    webhook, applies the schema and migrates storage), so its ServiceAccount needs no right to
+    patch the CRD, which would let it repoint the conversion webhook and see every RLJob."""
 
     def hosts(self) -> list[str]:
         if self.service:
@@ -692,9 +696,10 @@ def start_webhook(kube: Kube, settings: WebhookSettings) -> WebhookServer:
     server = WebhookServer(settings.port, certs, limits=settings.limits)
     server.start()
     service, url = client_config(settings.service, settings.url_host, settings.port)
-    ensure_crd(kube, service, url, certs.bundle, schema=settings.manage_crd)
+    if settings.configure_crd:
+        ensure_crd(kube, service, url, certs.bundle, schema=settings.manage_crd)
     log.info("conversion webhook serving on :%d (%s)", settings.port, url or settings.service)
-    if settings.migrate:
+    if settings.migrate and settings.configure_crd:
         migrate_storage(kube)
     threading.Thread(
         target=_keep_certificate, args=(kube, server, settings), name="webhook-cert", daemon=True
@@ -708,9 +713,14 @@ def _keep_certificate(kube: Kube, server: WebhookServer, settings: WebhookSettin
         time.sleep(settings.check_seconds)
         try:
             certs = _certificate(kube, settings)
-            if published_bundle(kube) != certs.bundle:
+            published = published_bundle(kube)
+            if settings.configure_crd and published != certs.bundle:
                 ensure_crd(kube, service, url, certs.bundle, schema=False)
+                published = certs.bundle
             if certs.cert != server.serving.cert:
+                if certs.ca not in published:  # the CRD manager has not published it yet
+                    log.info("new webhook certificate waits until the CRD trusts its CA")
+                    continue
                 # the old certificate's CA is still in the bundle: serve it until the API server
                 # has surely picked up the new bundle
                 time.sleep(settings.swap_grace_seconds)
@@ -718,3 +728,38 @@ def _keep_certificate(kube: Kube, server: WebhookServer, settings: WebhookSettin
                 log.info("webhook now serves the certificate valid until %s", certs.not_after())
         except Exception:  # keep serving with what we have; try again next round
             log.exception("webhook certificate check failed; retrying")
+
+
+def run_crd_manager(
+    kube: Kube, settings: WebhookSettings, stop: threading.Event | None = None
+) -> None:
+    """The CRD's side of the webhook, for installs that keep the right to patch the CRD out of
+    the controller (``--crd-manager``, the chart's ``crdManager.enabled``): point the CRD's
+    conversion at the webhook Service with the CA bundle the operator's replicas keep in their
+    certificate Secret (read only: they issue and rotate it), apply this build's schema, migrate
+    storage once; then follow the bundle every ``check_seconds`` until ``stop`` is set."""
+    stop = stop or threading.Event()
+    service, url = client_config(settings.service, settings.url_host, settings.port)
+    schema_due, migration_due = settings.manage_crd, settings.migrate
+    while True:
+        try:
+            secret = kube.get("v1", "Secret", settings.secret_namespace, settings.secret_name)
+            certs = Certificates.from_secret(secret) if secret else None
+            if certs is None:
+                log.info(
+                    "waiting for the webhook certificate in Secret %s/%s",
+                    settings.secret_namespace,
+                    settings.secret_name,
+                )
+            else:
+                if schema_due or published_bundle(kube) != certs.bundle:
+                    ensure_crd(kube, service, url, certs.bundle, schema=schema_due)
+                    log.info("CRD %s points at %s", CRD_NAME, url or settings.service)
+                    schema_due = False
+                if migration_due:
+                    migrate_storage(kube)
+                    migration_due = False
+        except Exception:  # the API server or the webhook may not be there yet: next round
+            log.exception("CRD manager round failed; retrying")
+        if stop.wait(settings.check_seconds):
+            return

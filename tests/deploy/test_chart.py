@@ -117,6 +117,49 @@ def test_chart_namespace_scope_role_per_namespace_and_cluster_reads() -> None:
     assert "--all-namespaces" not in command
 
 
+def test_chart_crd_manager_holds_the_crd_right_alone() -> None:
+    """#27 item 8: a namespace-scoped install could still patch the CRD, so it could repoint the
+    conversion webhook and see or rewrite every RLJob of the cluster. With crdManager.enabled
+    the operator may only read the CRD; a separate Deployment with its own account holds the
+    CRD right and nothing else (no pods, no Secrets but the webhook certificate)."""
+    objs = objects(
+        "--set", "rbac.scope=namespace", "--set", "watchNamespaces={team-a}",
+        "--set", "crdManager.enabled=true",
+    )  # fmt: skip
+    reads = objs[("ClusterRole", "", "rel-rljob-operator-cluster-reads")]["rules"]
+    crd_rules = [r for r in reads if "customresourcedefinitions" in r["resources"]]
+    assert crd_rules == [
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+         "verbs": ["list", "watch"]},
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+         "resourceNames": ["rljobs.rljob.io"], "verbs": ["get"]},
+    ]  # fmt: skip
+    assert "--no-configure-crd" in container(objs)["command"]
+    manager = objs[("ClusterRole", "", "rel-rljob-operator-crd-manager")]["rules"]
+    assert manager == [
+        CLUSTER_READS[-1],
+        {"apiGroups": ["rljob.io"], "resources": ["rljobs"], "verbs": ["list", "update"]},
+    ]
+    secret = objs[("Role", "ops", "rel-rljob-operator-crd-manager")]["rules"]
+    assert secret == [
+        {"apiGroups": [""], "resources": ["secrets"],
+         "resourceNames": ["rel-rljob-operator-webhook-cert"], "verbs": ["get"]},
+    ]  # fmt: skip
+    deploy = objs[("Deployment", "ops", "rel-rljob-operator-crd-manager")]
+    pod = deploy["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == "rel-rljob-operator-crd-manager"
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["rljob-operator", "--crd-manager"]
+    assert "--webhook-service=ops/rel-rljob-operator-webhook" in command
+    service = objs[("Service", "ops", "rel-rljob-operator-webhook")]["spec"]["selector"]
+    labels = pod["metadata"]["labels"]
+    assert not all(labels.get(k) == v for k, v in service.items())  # no conversions go there
+    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
+    default = objects("--set", "rbac.scope=namespace")
+    assert ("Deployment", "ops", "rel-rljob-operator-crd-manager") not in default
+    assert "--no-configure-crd" not in container(default)["command"]
+
+
 def test_chart_namespace_scope_defaults_to_release_namespace() -> None:
     objs = objects("--set", "rbac.scope=namespace")
     assert ("Role", "ops", "rel-rljob-operator") in objs

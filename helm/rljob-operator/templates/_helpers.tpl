@@ -143,8 +143,24 @@ Cluster-scoped reads, needed in both scopes:
 - apiGroups: ["scheduling.k8s.io"]
   resources: ["priorityclasses"]
   verbs: ["get"]
-# the operator's own CRD only: schema upgrade, conversion webhook address and caBundle, and
-# status.storedVersions after the storage migration
+{{- if .Values.crdManager.enabled }}
+# the operator's own CRD, read only (whether it trusts a new webhook certificate yet): the CRD
+# manager writes it, so this account cannot repoint the conversion webhook
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  resourceNames: ["rljobs.rljob.io"]
+  verbs: ["get"]
+{{- else }}
+{{ include "rljob-operator.crdWriteRules" . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The operator's own CRD only: schema upgrade, conversion webhook address and caBundle, and
+status.storedVersions after the storage migration. Held by the operator, or with
+crdManager.enabled by the CRD manager alone.
+*/}}
+{{- define "rljob-operator.crdWriteRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions", "customresourcedefinitions/status"]
   resourceNames: ["rljobs.rljob.io"]
