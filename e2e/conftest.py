@@ -56,11 +56,16 @@ def crd(cluster: LocalCluster) -> None:
 def operator(
     cluster: LocalCluster, crd: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    """The operator running cluster-wide as a real process (restartable by tests)."""
+    """The operator running cluster-wide as a real process (restartable by tests); worker pods
+    may run as a ServiceAccount named team-sa, and no other the job names."""
     proc = OperatorProcess(
         cluster,
         Path(tmp_path_factory.mktemp("operator")) / "operator.log",
-        args=("--all-namespaces", "--scale-cooldown-seconds=3"),
+        args=(
+            "--all-namespaces",
+            "--scale-cooldown-seconds=3",
+            "--allowed-service-accounts=team-sa",
+        ),
     )
     with proc.running():
         yield proc

@@ -44,16 +44,18 @@ def get_json(cluster: LocalCluster, *args: str) -> dict[str, Any]:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)  # type: ignore[no-any-return]
 
 
-def dry_run_apply(cluster: LocalCluster, obj: dict[str, Any], *extra: str) -> tuple[int, str]:
-    """``kubectl apply --dry-run=server`` of ``obj`` in namespace default: (exit code, output;
-    the stored object as JSON when accepted, else the server's refusal)."""
+def dry_run_apply(
+    cluster: LocalCluster, obj: dict[str, Any], *extra: str, namespace: str = "default"
+) -> tuple[int, str]:
+    """``kubectl apply --dry-run=server`` of ``obj`` in ``namespace``: (exit code, output; the
+    stored object as JSON when accepted, else the server's refusal; warnings on stderr)."""
     out = cluster.kubectl(
         "apply",
         "--dry-run=server",
         "-o",
         "json",
         "-n",
-        "default",
+        namespace,
         *extra,
         "-f",
         "-",

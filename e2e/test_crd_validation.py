@@ -5,6 +5,9 @@
   or resolved from powerSGD, no float16 training) and spec.worker.env naming a variable the
   operator sets (MASTER_*, RLJOB_*, ...: issue 27 item 10) with exactly the message the
   operator's pydantic twin gives;
+- specs that would make the pods more than a restricted pod (issue 27 item 3: a hostPath or nfs
+  volume, an AppArmor or seccomp annotation, a toleration of control-plane nodes, an envFrom
+  prefix into RLJOB_*) are refused with exactly the operator's message;
 - a powerSGD job without trainer.sharding (as stored before the field) is accepted and stays
   without it: the unset field resolves to ddp;
 - the examples are accepted, and defaults are filled in by the API server (trainer.sharding has
@@ -49,6 +52,23 @@ def server_defaulted(cluster: LocalCluster, obj: dict[str, Any]) -> dict[str, An
         input=yaml.safe_dump(obj),
     )
     return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def assert_refused_with_the_operators_message(
+    cluster: LocalCluster, patch: dict[str, Any], field: str
+) -> None:
+    """The example with ``patch`` (spec key → fields merged into it) is refused by the operator's
+    pydantic twin with one message naming ``field``, and by the API server with that message."""
+    obj = example()
+    for key, fields in patch.items():
+        obj["spec"][key] = {**obj["spec"].get(key, {}), **fields}
+    with pytest.raises(SpecError) as err:
+        parse_rljob(obj)
+    (message,) = err.value.problems
+    assert field in message
+    rc, out = apply(cluster, obj)
+    assert rc != 0
+    assert message in out, out
 
 
 def test_ppo_disaggregated_without_correction_is_rejected(cluster: LocalCluster, crd: None) -> None:
@@ -142,16 +162,63 @@ def test_fractional_gpu_count_is_rejected(cluster: LocalCluster, crd: None) -> N
 def test_sharding_and_precision_rules_refused_with_the_operators_message(
     cluster: LocalCluster, crd: None, patch: dict[str, Any], field: str
 ) -> None:
-    obj = example()
-    for key, fields in patch.items():
-        obj["spec"][key] = {**obj["spec"].get(key, {}), **fields}
-    with pytest.raises(SpecError) as err:
-        parse_rljob(obj)
-    (message,) = err.value.problems
-    assert field in message
-    rc, out = apply(cluster, obj)
-    assert rc != 0
-    assert message in out, out
+    assert_refused_with_the_operators_message(cluster, patch, field)
+
+
+def _overrides(role: str, **fields: Any) -> dict[str, Any]:
+    return {role: {"podTemplateOverrides": fields}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        (_overrides("trainer", volumes=[{"name": "h", "hostPath": {"path": "/"}}]), "volumes"),
+        (
+            _overrides("rollout", volumes=[{"name": "n", "nfs": {"server": "nfs", "path": "/"}}]),
+            "volumes",
+        ),
+        (
+            _overrides(
+                "rollout",
+                annotations={
+                    "container.apparmor.security.beta.kubernetes.io/rollout": "unconfined"
+                },
+            ),
+            "annotations",
+        ),
+        (
+            _overrides("trainer", annotations={"seccomp.security.alpha.kubernetes.io/pod": "x"}),
+            "annotations",
+        ),
+        (
+            _overrides(
+                "trainer",
+                tolerations=[
+                    {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}
+                ],
+            ),
+            "tolerations",
+        ),
+        ({"scheduling": {"tolerations": [{"operator": "Exists"}]}}, "tolerations"),
+        (
+            _overrides("trainer", envFrom=[{"prefix": "RLJOB_", "secretRef": {"name": "s"}}]),
+            "envFrom",
+        ),
+    ],
+    ids=[
+        "hostPath",
+        "nfs",
+        "apparmor",
+        "seccomp",
+        "control-plane-toleration",
+        "tolerate-everything",
+        "envFrom-prefix",
+    ],
+)
+def test_more_than_a_restricted_pod_refused_with_the_operators_message(
+    cluster: LocalCluster, crd: None, patch: dict[str, Any], field: str
+) -> None:
+    assert_refused_with_the_operators_message(cluster, patch, field)
 
 
 def test_powersgd_without_sharding_is_accepted_and_stays_unset(

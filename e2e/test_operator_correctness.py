@@ -9,7 +9,10 @@
 - no finalizer: with the operator gone, ``kubectl delete rljob`` completes and garbage collection
   removes the children (what ``helm uninstall`` with jobs present leaves behind);
 - identical Events are one Event with a count;
-- pods running as a user-supplied serviceAccountName may write their progress reports;
+- pods running as a user-supplied serviceAccountName (one the operator allows:
+  --allowed-service-accounts) may write their progress reports; a job naming another account
+  gets no pods, is Failed (ServiceAccountNotAllowed) with a Warning Event naming the field and
+  the flag, and runs as its own accounts once the field is removed (#27 item 3);
 - a rollout's account may write only the rollouts' progress ConfigMap: its token is refused on
   the trainer's (the forged "trainer-0 done" report of the security review), and a NaN or an
   over-long path in a report never stops the status from being written (#27 item 6);
@@ -151,21 +154,23 @@ def test_repeated_identical_events_become_one_with_count(
     assert json.dumps(job["status"]).count("no-such-class") >= 1
 
 
+def submit_as(cluster: LocalCluster, ns: str, job: str, account: str) -> None:
+    """Create ServiceAccount ``account`` and submit grpo-colocated as ``job`` running as it."""
+    cluster.kubectl("create", "serviceaccount", account, "-n", ns)
+    submit(cluster, ns, job, example="grpo-colocated", worker={"serviceAccountName": account})
+
+
+def accounts(cluster: LocalCluster, ns: str, job: str) -> set[str]:
+    """The ServiceAccounts the job's pods run as."""
+    return {p["spec"]["serviceAccountName"] for p in pods(cluster, ns, job)}
+
+
 def test_user_service_account_may_report_progress(
     cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
 ) -> None:
-    cluster.kubectl("create", "serviceaccount", "team-sa", "-n", namespace)
-    submit(
-        cluster,
-        namespace,
-        "own-sa",
-        example="grpo-colocated",
-        worker={"serviceAccountName": "team-sa"},
-    )
+    submit_as(cluster, namespace, "own-sa", "team-sa")
     wait_for(lambda: running(cluster, namespace, "own-sa", 2), 90, "job Running")
-    assert {p["spec"]["serviceAccountName"] for p in pods(cluster, namespace, "own-sa")} == {
-        "team-sa"
-    }
+    assert accounts(cluster, namespace, "own-sa") == {"team-sa"}
     token = cluster.kubectl("create", "token", "team-sa", "-n", namespace).stdout.strip()
     beat = Progress(role="actor", time=time.time(), step=7)
     patch = json.dumps({"data": {beat.key: beat.model_dump_json()}})
@@ -175,6 +180,26 @@ def test_user_service_account_may_report_progress(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr  # as the workers' heartbeat does, with the pod's token
     wait_for(lambda: status(cluster, namespace, "own-sa").get("step") == 7, 30, "step in status")
+
+
+def test_service_account_the_operator_does_not_allow_gets_no_pods_until_removed(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    submit_as(cluster, namespace, "other-sa", "admin-sa")
+    wait_for(lambda: status(cluster, namespace, "other-sa").get("phase") == "Failed", 60, "Failed")
+    failed = {c["type"]: c for c in status(cluster, namespace, "other-sa")["conditions"]}["Failed"]
+    assert failed["reason"] == "ServiceAccountNotAllowed"
+    for text in ("spec.worker.serviceAccountName", "admin-sa", "--allowed-service-accounts"):
+        assert text in failed["message"]
+    warned = [e for e in events(cluster, namespace, "other-sa") if e["type"] == "Warning"]
+    assert "ServiceAccountNotAllowed" in {e["reason"] for e in warned}
+    assert not pods(cluster, namespace, "other-sa")
+    unset = [{"op": "remove", "path": "/spec/worker/serviceAccountName"}]
+    cluster.kubectl(
+        "patch", "rljob", "other-sa", "-n", namespace, "--type=json", "-p", json.dumps(unset)
+    )
+    wait_for(lambda: running(cluster, namespace, "other-sa", 2), 90, "job Running")
+    assert accounts(cluster, namespace, "other-sa") == {"other-sa-worker"}
 
 
 def test_rollout_cannot_write_the_trainer_report_and_bad_numbers_do_not_wedge_status(

@@ -14,12 +14,14 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from rljob_operator import __version__
+from rljob_operator.api.fields import _DNS_SUBDOMAIN
 from rljob_operator.builders import METRICS_FROM_ANYWHERE
 
 
@@ -83,6 +85,14 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         help="create no NetworkPolicy per job (the cluster's admins fence the job pods "
         "themselves); by default only the job's own pods reach its pods",
     )
+    parser.add_argument(
+        "--allowed-service-accounts",
+        type=_account_names,
+        default=frozenset(),
+        help="comma-separated ServiceAccounts that spec.worker.serviceAccountName may name (in "
+        "the job's namespace), or * for any; default none: a job that names one fails with "
+        "ServiceAccountNotAllowed and its pods run only as the accounts the operator creates",
+    )
     _add_leader_election_flags(parser)
     _add_webhook_flags(parser)
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -102,6 +112,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         progress_stale_seconds=args.progress_stale_seconds,
         worker_env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("NCCL_"))),
         metrics_from=None if args.no_network_policy else tuple(args.metrics_from),
+        allowed_service_accounts=args.allowed_service_accounts,
     )
 
     logging.basicConfig(
@@ -162,6 +173,15 @@ def _add_leader_election_flags(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="time between two attempts to acquire or renew",
     )
+
+
+def _account_names(text: str) -> frozenset[str]:
+    """--allowed-service-accounts: names (DNS subdomains) separated by commas, or ``*``."""
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n != "*" and not re.fullmatch(_DNS_SUBDOMAIN, n)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"not ServiceAccount names: {', '.join(sorted(bad))}")
+    return names
 
 
 def _peers(text: str) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@
   cluster scope; a Role per watched namespace plus a cluster-reads ClusterRole in namespace scope;
   the Lease Role limited to the one Lease;
 - the Deployment: the command follows the scope (``--all-namespaces`` or one ``--namespace`` per
-  watched namespace), leader election flags, liveness probe on the liveness port, non-root,
+  watched namespace), leader election flags, ``--allowed-service-accounts`` only when
+  worker.allowedServiceAccounts lists some, liveness probe on the liveness port, non-root,
   read-only root filesystem, all capabilities dropped, seccomp RuntimeDefault;
 - values that would be unsafe are refused: several replicas without leader election, election
   timings out of order, an unknown scope or key (values.schema.json);
@@ -232,6 +233,16 @@ def test_chart_unsafe_values_refused(values: list[str], error: str) -> None:
     out = template(*values, check=False)
     assert out.returncode != 0
     assert error in out.stderr, out.stderr
+
+
+def test_chart_worker_service_accounts_none_by_default_else_passed_as_the_flag() -> None:
+    assert not [a for a in container(objects())["command"] if "allowed-service-accounts" in a]
+    objs = objects("--set", "worker.allowedServiceAccounts={team-sa,ci}")
+    assert "--allowed-service-accounts=team-sa,ci" in container(objs)["command"]
+    objs = objects("--set", "worker.allowedServiceAccounts={*}")
+    assert "--allowed-service-accounts=*" in container(objs)["command"]
+    out = template("--set", "worker.allowedServiceAccounts={Team_SA}", check=False)
+    assert out.returncode != 0 and "allowedServiceAccounts" in out.stderr, out.stderr
 
 
 def test_chart_single_replica_without_election_allowed() -> None:

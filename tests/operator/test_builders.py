@@ -10,7 +10,10 @@
   none; ephemeral is an emptyDir; the model claim is mounted at spec.model.volume.mountPath;
 - per-role pod-template overrides (volumes, mounts, env from a Secret, affinity, tolerations,
   nodeSelector, pull Secrets, labels) are merged into that role's pods only; fields the
-  operator owns are refused naming the field path.
+  operator owns are refused naming the field path, and so is whatever makes a pod more than Pod
+  Security restricted (other volume types, AppArmor/seccomp/CRI-O annotations, tolerations of
+  control-plane nodes or of every taint) or an envFrom prefix into RLJOB_*; every restricted
+  volume type and a prefix of one's own (HF_, APP_) are accepted.
 
 Regenerate the golden files after an intended change with ``RLJOB_UPDATE_GOLDEN=1``.
 """
@@ -502,6 +505,51 @@ def test_parse_overrides_of_operator_owned_fields_refused_naming_path(
     with pytest.raises(SpecError) as info:
         load_example("grpo-colocated", trainer={"replicas": 2, "podTemplateOverrides": overrides})
     assert info.value.problems == [message]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "phrase"),
+    [
+        ({"volumes": [{"name": "h", "hostPath": {"path": "/"}}]}, "volumes: only configMap"),
+        ({"volumes": [{"name": "g", "gitRepo": {"repository": "x"}}]}, "volumes: only configMap"),
+        ({"annotations": {"seccomp.security.alpha.kubernetes.io/pod": "u"}}, "annotations: keys"),
+        ({"annotations": {"io.kubernetes.cri-o.userns-mode": "auto"}}, "annotations: keys"),
+        ({"annotations": {"rljob.io/restart-epoch": "7"}}, "annotations: keys"),
+        ({"tolerations": [{"key": "node-role.kubernetes.io/master"}]}, "control-plane"),
+        ({"tolerations": [{"key": "", "operator": "Exists"}]}, "every taint"),
+        ({"envFrom": [{"prefix": "RLJ", "secretRef": {"name": "s"}}]}, "RLJOB_* variable"),
+        ({"envFrom": [{"prefix": "RLJOB_X_", "configMapRef": {"name": "c"}}]}, "RLJOB_* variable"),
+    ],
+)
+def test_parse_overrides_beyond_a_restricted_pod_refused(
+    overrides: dict[str, Any], phrase: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        load_example("grpo-colocated", trainer={"replicas": 2, "podTemplateOverrides": overrides})
+    (message,) = info.value.problems
+    assert message.startswith("spec.") and phrase in message
+
+
+def test_parse_overrides_of_every_restricted_volume_type_and_own_prefixes_accepted() -> None:
+    volumes = [
+        {"name": "a", "configMap": {"name": "c"}},
+        {"name": "b", "csi": {"driver": "d"}},
+        {"name": "c", "downwardAPI": {}},
+        {"name": "d", "emptyDir": {}},
+        {"name": "e", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+        {"name": "f", "persistentVolumeClaim": {"claimName": "p"}},
+        {"name": "g", "projected": {"sources": []}},
+        {"name": "h", "secret": {"secretName": "s"}},
+    ]
+    overrides = {
+        "volumes": volumes,
+        "envFrom": [{"prefix": p, "secretRef": {"name": "s"}} for p in ("HF_", "APP_", "RLX")],
+        "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    job = load_example("grpo-colocated", trainer={"replicas": 2, "podTemplateOverrides": overrides})
+    pod = build_pod(job.spec, REF, "actor", 0, topology="colocated", config_digest="x")
+    assert pod["spec"]["volumes"][-len(volumes) :] == volumes
 
 
 def _threads_env(pod: dict[str, Any]) -> list[dict[str, Any]]:

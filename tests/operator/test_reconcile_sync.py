@@ -4,8 +4,8 @@
 - a Service, Role or RoleBinding that drifted from what the spec says is re-applied; fields the
   API server adds (clusterIPs, targetPort, …) are not drift;
 - a NetworkPolicy opened by hand (any ingress) is put back;
-- a user-supplied serviceAccountName is the subject of the workers' RoleBinding, so the pods
-  that run as it may report progress.
+- a user-supplied serviceAccountName (one the operator allows) is the subject of the workers'
+  RoleBinding, so the pods that run as it may report progress.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from rljob_operator.api import parse_rljob
 from rljob_operator.builders import JobRef, build_children
-from rljob_operator.reconcile import TOKEN_PLACEHOLDER, Observed, reconcile
+from rljob_operator.reconcile import TOKEN_PLACEHOLDER, Observed, Policy, reconcile
 from rljob_operator.reconcile.children import SYNCED_KINDS
 from tests.operator.test_reconcile import NOW, job_object, observed_children
 
@@ -82,6 +82,7 @@ def test_user_service_account_is_bound_to_progress_role() -> None:
     before = job_object("dapo-disaggregated")
     observed = as_read(observed_children(before), before)
     raw = job_object("dapo-disaggregated", worker={"serviceAccountName": "team-sa"})
-    plan = reconcile(dataclasses.replace(observed, job=raw), now=NOW)
+    allowed = Policy(allowed_service_accounts=frozenset({"team-sa"}))
+    plan = reconcile(dataclasses.replace(observed, job=raw), now=NOW, policy=allowed)
     binding = next(o for o in plan.apply if o["kind"] == "RoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "team-sa", "namespace": "ns"}]

@@ -7,10 +7,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    JsonValue,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 from rljob_operator.api.errors import RULE_ERROR
 
@@ -50,6 +59,44 @@ class CelRule:
         return entry
 
 
+def _failed(rules: tuple[CelRule, ...], view: JsonObject) -> None:
+    """Raise the messages of the ``rules`` that ``view`` breaks (none: return)."""
+    failed = [rule.explain(view) for rule in rules if not rule.holds(view)]
+    if failed:
+        raise PydanticCustomError(
+            RULE_ERROR, "{message}", {"message": "\n".join(failed), "messages": failed}
+        )
+
+
+@dataclass(frozen=True)
+class ItemRules:
+    """The ``CelRule``s of a value that is no ``SpecModel`` (an embedded core/v1 object such as
+    a Volume), as ``Annotated`` metadata: published as its ``x-kubernetes-validations`` and
+    checked by pydantic on the value as written. ``name`` keys them in ``all_cel_rules``.
+
+    Put them on the items of a list, never on the list: a rule of a list that filters it and
+    builds a message from the matches can exceed the API server's CEL cost budget."""
+
+    name: str
+    rules: tuple[CelRule, ...]
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._validate, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = dict(handler(schema))
+        out["x-kubernetes-validations"] = [dict(r.to_validation()) for r in self.rules]
+        return out
+
+    def _validate(self, value: Any) -> Any:
+        _failed(self.rules, value)
+        return value
+
+
 def _attach_cel_rules(schema: JsonDict, cls: type[Any]) -> None:
     rules: tuple[CelRule, ...] = getattr(cls, "cel_rules", ())
     if rules:
@@ -80,12 +127,7 @@ class SpecModel(BaseModel):
     def _enforce_cel_rules(self) -> Self:
         if not self.cel_rules:
             return self
-        view = self.model_dump(by_alias=True, exclude_none=True, mode="json")
-        failed = [rule.explain(view) for rule in self.cel_rules if not rule.holds(view)]
-        if failed:
-            raise PydanticCustomError(
-                RULE_ERROR, "{message}", {"message": "\n".join(failed), "messages": failed}
-            )
+        _failed(self.cel_rules, self.model_dump(by_alias=True, exclude_none=True, mode="json"))
         return self
 
 
@@ -111,3 +153,20 @@ def _models_in(annotation: Any) -> list[type[SpecModel]]:
     if isinstance(annotation, type) and issubclass(annotation, SpecModel):
         return [annotation]
     return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _item_rules(root: type[SpecModel]) -> list[ItemRules]:
+    """The ``ItemRules`` in the field types of ``root`` and the models below it."""
+    found: list[ItemRules] = []
+    for model in _spec_models(root):
+        for field in model.model_fields.values():
+            found += [r for r in _metadata_in(field.annotation) if r not in found]
+    return found
+
+
+def _metadata_in(annotation: Any) -> list[ItemRules]:
+    return [
+        m
+        for arg in get_args(annotation)
+        for m in ([arg] if isinstance(arg, ItemRules) else _metadata_in(arg))
+    ]

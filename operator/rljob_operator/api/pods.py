@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal, Self
 from pydantic import Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from rljob_operator.api.cel import CelRule, JsonObject, SpecModel
+from rljob_operator.api.cel import CelRule, ItemRules, JsonObject, SpecModel
 from rljob_operator.api.errors import DUPLICATE_ERROR, RELATIVE_ERROR
 from rljob_operator.api.fields import (
     _DNS_SUBDOMAIN,
@@ -19,7 +19,7 @@ from rljob_operator.api.fields import (
     Quantity,
     quantity_is_positive,
 )
-from rljob_operator.api.k8s import Affinity, EnvFromSource, Volume, VolumeMount
+from rljob_operator.api.k8s import Affinity, EnvFromSource, Volume, VolumeMount, crd_schema
 from rljob_operator.api.k8s import EnvVar as CoreEnvVar
 from rljob_operator.api.versions import GROUP
 
@@ -105,8 +105,35 @@ def _no_gpu_in_resources(role: str) -> CelRule:
     )
 
 
+CONTROL_PLANE_TAINTS: Final = (
+    "node-role.kubernetes.io/control-plane",
+    "node-role.kubernetes.io/master",
+)
+"""Taints of control-plane nodes: no worker pod tolerates them."""
+
+
+def _tolerates_control_plane(t: JsonObject) -> bool:
+    key = t.get("key") or ""
+    return key in CONTROL_PLANE_TAINTS if key else t.get("operator") == "Exists"
+
+
 class Toleration(SpecModel):
-    """A Kubernetes toleration (core/v1 Toleration)."""
+    """A Kubernetes toleration (core/v1 Toleration); never of the control-plane taints."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!(has(self.key) && self.key != '' ? self.key in ["
+            + ", ".join(f"'{k}'" for k in CONTROL_PLANE_TAINTS)
+            + "] : self.operator == 'Exists')",
+            message="spec.scheduling.tolerations, spec.<role>.podTemplateOverrides.tolerations: "
+            f"a toleration of {' or '.join(CONTROL_PLANE_TAINTS)} (or of every taint: operator "
+            "Exists without a key) is refused: worker pods do not run on control-plane nodes; "
+            "tolerate the taints of your worker nodes by key",
+            holds=lambda t: not _tolerates_control_plane(t),
+            field_path=".key",
+            reason="FieldValueForbidden",
+        ),
+    )
 
     key: str | None = Field(None, max_length=317, description="Taint key; empty with Exists: all.")
     operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
@@ -158,6 +185,89 @@ def operator_owned_env(name: str) -> bool:
     return name in OPERATOR_ENV or name.startswith(OPERATOR_ENV_PREFIXES)
 
 
+def _prefix_reaches_owned_env(prefix: str) -> bool:
+    """Whether an envFrom ``prefix`` followed by some key names a variable under an owned prefix
+    (RLJOB_*): it leads into that prefix or starts with it."""
+    return bool(prefix) and any(
+        owned.startswith(prefix) or prefix.startswith(owned) for owned in OPERATOR_ENV_PREFIXES
+    )
+
+
+_OWNED_LEADS = [p[:i] for p in OPERATOR_ENV_PREFIXES for i in range(1, len(p))]
+"""The proper leading parts of the owned prefixes (CEL tests membership: cheap to estimate,
+unlike a startsWith whose argument is the user's string)."""
+ENV_FROM_PREFIX_RULE: Final = CelRule(
+    rule="!has(self.prefix) || !(self.prefix in ["
+    + ", ".join(f"'{lead}'" for lead in _OWNED_LEADS)
+    + "] || "
+    + " || ".join(f"self.prefix.startsWith('{p}')" for p in OPERATOR_ENV_PREFIXES)
+    + ")",
+    message="spec.<role>.podTemplateOverrides.envFrom: with this prefix a key of the Secret or "
+    "ConfigMap can become an "
+    + " or ".join(f"{p}*" for p in OPERATOR_ENV_PREFIXES)
+    + " variable, which the operator owns; use a prefix of your own (e.g. APP_) or none",
+    holds=lambda e: not _prefix_reaches_owned_env(str(e.get("prefix", ""))),
+    field_path=".prefix",
+    reason="FieldValueForbidden",
+)
+"""An envFrom source of the overrides (a Secret or ConfigMap the spec names) cannot reach the
+operator's RLJOB_* variables through its prefix. The single names the operator sets (MASTER_ADDR,
+HOME, ...) need no rule: a container's env, where it sets them, wins over its envFrom."""
+OverrideEnvFrom = Annotated[EnvFromSource, ItemRules("EnvFromSource", (ENV_FROM_PREFIX_RULE,))]
+
+
+def _listed(words: tuple[str, ...]) -> str:
+    """``a, b and c``."""
+    return ", ".join(words[:-1]) + f" and {words[-1]}"
+
+
+RESTRICTED_VOLUMES: Final = (
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+)
+"""The volume types of Pod Security "restricted": the only ones a job may add to its pods."""
+_REFUSED_VOLUMES = tuple(
+    sorted(set(crd_schema("Volume")["properties"]) - {"name", *RESTRICTED_VOLUMES})
+)
+RESTRICTED_VOLUME_RULE: Final = CelRule(
+    rule=" && ".join(f"!has(self.{kind})" for kind in _REFUSED_VOLUMES),
+    message=f"spec.<role>.podTemplateOverrides.volumes: only {_listed(RESTRICTED_VOLUMES)} "
+    "volumes are allowed (Pod Security restricted: the operator creates the pods with its own "
+    "rights); reach other storage (hostPath, nfs, iscsi, ...) through a PersistentVolumeClaim",
+    holds=lambda v: not any(kind in v for kind in _REFUSED_VOLUMES),
+    reason="FieldValueForbidden",
+)
+OverrideVolume = Annotated[Volume, ItemRules("Volume", (RESTRICTED_VOLUME_RULE,))]
+
+REFUSED_ANNOTATION_PREFIXES: Final = (
+    "container.apparmor.security.beta.kubernetes.io/",
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+    "io.kubernetes.cri-o.",
+    f"{GROUP}/",
+)
+"""Pod annotation keys a job may not set: AppArmor and seccomp profiles, CRI-O's runtime
+annotations (user namespaces, devices, cgroups) and the operator's own."""
+ANNOTATIONS_RULE: Final = CelRule(
+    rule="!has(self.annotations) || self.annotations.all(k, "
+    + " && ".join(f"!k.startsWith('{p}')" for p in REFUSED_ANNOTATION_PREFIXES)
+    + ")",
+    message="spec.<role>.podTemplateOverrides.annotations: keys under "
+    f"{_listed(REFUSED_ANNOTATION_PREFIXES)} are refused (the pods' AppArmor, seccomp and "
+    "runtime settings are the operator's, and so is rljob.io/); remove the key",
+    holds=lambda o: (
+        not any(k.startswith(REFUSED_ANNOTATION_PREFIXES) for k in o.get("annotations", {}))
+    ),
+    field_path=".annotations",
+    reason="FieldValueForbidden",
+)
+
 OPERATOR_LABEL_PREFIXES: Final = (f"{GROUP}/", "app.kubernetes.io/", "scheduling.x-k8s.io/")
 OPERATOR_MOUNTS: Final = ("/etc/rljob", "/tmp", "/home/rljob", "/dev/shm")
 """Mount paths of the worker containers the operator owns (besides the checkpoint and model
@@ -175,16 +285,26 @@ class PodTemplateOverrides(SpecModel):
     podTemplateOverrides and JobSet's pod templates allow: extra volumes and mounts (a dataset,
     a venv), env from a Secret, placement (affinity, tolerations, nodeSelector), pull Secrets.
     The operator merges them into the pods it builds; fields it owns (its volumes, mounts,
-    environment variables and labels) are refused with the field path."""
+    environment variables and labels) are refused with the field path, and so is what would make
+    a pod more than Pod Security "restricted" allows (other volume types, AppArmor, seccomp and
+    runtime annotations, control-plane tolerations): creating an RLJob grants no more than
+    creating such a pod in its namespace would."""
 
     labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict, max_length=64, description="Extra pod labels."
     )
     annotations: dict[str, Annotated[str, Field(max_length=32_768)]] = Field(
-        default_factory=dict, max_length=64, description="Extra pod annotations."
+        default_factory=dict,
+        max_length=64,
+        description="Extra pod annotations (not AppArmor, seccomp, CRI-O runtime or rljob.io/ "
+        "keys).",
     )
-    volumes: list[Volume] = Field(
-        default_factory=list, max_length=_LIST_MAX, description="Extra pod volumes (core/v1)."
+    volumes: list[OverrideVolume] = Field(
+        default_factory=list,
+        max_length=_LIST_MAX,
+        description="Extra pod volumes (core/v1), of the Pod Security restricted types: "
+        "configMap, csi, downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, "
+        "secret.",
     )
     volume_mounts: list[VolumeMount] = Field(
         default_factory=list,
@@ -197,11 +317,12 @@ class PodTemplateOverrides(SpecModel):
         description="Extra environment variables (core/v1 EnvVar: value or valueFrom, e.g. "
         "secretKeyRef), after spec.worker.env (on a repeated name these win).",
     )
-    env_from: list[EnvFromSource] = Field(
+    env_from: list[OverrideEnvFrom] = Field(
         default_factory=list,
         max_length=_LIST_MAX,
         description="Extra envFrom sources of the worker container (core/v1 EnvFromSource, "
-        "e.g. secretRef).",
+        "e.g. secretRef) of the Secrets and ConfigMaps named here; a prefix may not lead into "
+        "RLJOB_ (the operator's variables).",
     )
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict,
@@ -217,6 +338,8 @@ class PodTemplateOverrides(SpecModel):
     image_pull_secrets: list[LocalObjectReference] = Field(
         default_factory=list, max_length=_LIST_MAX, description="Image pull Secrets."
     )
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (ANNOTATIONS_RULE,)
 
     @model_validator(mode="after")
     def _operator_fields_refused(self) -> Self:
@@ -296,7 +419,8 @@ class WorkerPods(SpecModel):
     image: str | None = Field(
         None,
         max_length=512,
-        description="Worker container image. Unset: the image the operator was installed with.",
+        description="Worker container image (it runs as non-root uid 1000 under the Pod "
+        "Security restricted context). Unset: the image the operator was installed with.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Image pull policy of the worker containers."
@@ -325,7 +449,9 @@ class WorkerPods(SpecModel):
         pattern=_DNS_SUBDOMAIN,
         description="ServiceAccount of the worker pods. Unset: <name>-worker, which the "
         "operator creates. Either way the operator binds it to a Role that lets the workers "
-        "report progress (get/patch of the job's progress ConfigMap); a set account must exist.",
+        "report progress (get/patch of the job's progress ConfigMap); a set account must exist "
+        "and be one the operator allows (its --allowed-service-accounts, chart value "
+        "worker.allowedServiceAccounts), else the job fails with ServiceAccountNotAllowed.",
     )
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (positive_size("shmSize", "spec.worker.shmSize"),)

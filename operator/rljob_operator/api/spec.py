@@ -17,7 +17,14 @@ from rljob_operator.api.algorithm import (
     _uses_groups,
     resolve_advantage_estimator,
 )
-from rljob_operator.api.cel import CelRule, JsonObject, SpecModel, _nested, _spec_models
+from rljob_operator.api.cel import (
+    CelRule,
+    JsonObject,
+    SpecModel,
+    _item_rules,
+    _nested,
+    _spec_models,
+)
 from rljob_operator.api.errors import RULE_ERROR
 from rljob_operator.api.lifecycle import Checkpoint, Collapse, FailurePolicy, Scheduling
 from rljob_operator.api.model_task import Model, Task
@@ -241,5 +248,7 @@ def responses_per_prompt(spec: RLJobSpec) -> int:
 
 
 def all_cel_rules() -> dict[str, tuple[CelRule, ...]]:
-    """Every model's cross-field rules, keyed by model name (for generators and tests)."""
-    return {m.__name__: m.cel_rules for m in _spec_models(RLJobSpec) if m.cel_rules}
+    """Every model's cross-field rules, keyed by model name, and the rules of embedded core/v1
+    items, keyed by their type's name (for generators and tests)."""
+    rules = {m.__name__: m.cel_rules for m in _spec_models(RLJobSpec) if m.cel_rules}
+    return rules | {r.name: r.rules for r in _item_rules(RLJobSpec)}

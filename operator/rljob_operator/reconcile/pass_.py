@@ -27,6 +27,7 @@ from rljob_operator.reconcile.control import _degrade
 from rljob_operator.reconcile.elasticity import _elastic
 from rljob_operator.reconcile.failover import _failover
 from rljob_operator.reconcile.phase import (
+    SERVICE_ACCOUNT_REFUSED,
     _fill_status,
     _finished_plan,
     _image_events,
@@ -34,6 +35,7 @@ from rljob_operator.reconcile.phase import (
     _invalid_spec_plan,
     _succeed,
     _transition_events,
+    service_account_refusal,
 )
 from rljob_operator.reconcile.shared import (
     FINISHED,
@@ -72,6 +74,11 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
         return _invalid_spec_plan(key, old, generation, str(err), now)
     if managed_elsewhere(job.spec):  # spec.managedBy names another controller: hands off
         return Plan(job_key=key)
+    refused = service_account_refusal(job.spec, policy.allowed_service_accounts)
+    if refused:  # no pod runs as an account the admin did not allow; running ones go
+        message = str(SpecError([refused]))
+        pods = observed.pods
+        return _invalid_spec_plan(key, old, generation, message, now, SERVICE_ACCOUNT_REFUSED, pods)
     stored = old
     if _invalid_spec_fixed(old, generation):  # a new generation parses: start afresh
         old = {k: v for k, v in old.items() if k not in ("phase", "message", "completionTime")}

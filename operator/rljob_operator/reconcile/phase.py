@@ -107,14 +107,38 @@ def image_problem(pods: tuple[dict[str, Any], ...]) -> tuple[str, str] | None:
     return None
 
 
-def _invalid_spec_fixed(status: dict[str, Any], generation: int) -> bool:
-    """Failed for an invalid spec at an older generation (and this one parses)."""
-    failed = next((c for c in status.get("conditions", []) if c.get("type") == "Failed"), None)
+SERVICE_ACCOUNT_REFUSED = "ServiceAccountNotAllowed"
+"""Reason of the Failed condition and Warning Event of a job whose spec.worker.serviceAccountName
+the operator does not allow (--allowed-service-accounts)."""
+
+
+def service_account_refusal(spec: RLJobSpec, allowed: frozenset[str]) -> str | None:
+    """Why the pods may not run as spec.worker.serviceAccountName, if they may not: only the
+    accounts the cluster admin listed (``allowed``; ``*``: any) are used, since the operator
+    creates the pods with its own rights and would otherwise hand any account of the namespace
+    to whoever may create an RLJob."""
+    name = spec.worker.service_account_name
+    if name is None or "*" in allowed or name in allowed:
+        return None
+    listed = ", ".join(sorted(allowed)) or "none"
     return (
-        status.get("phase") == "Failed"
-        and failed is not None
-        and failed.get("reason") == "InvalidSpec"
-        and failed.get("observedGeneration") != generation
+        f"spec.worker.serviceAccountName: the operator does not run worker pods as {name} "
+        f"(allowed: {listed}; operator flag --allowed-service-accounts, chart value "
+        "worker.allowedServiceAccounts); remove the field (the pods then run as the account "
+        f"the operator creates for the job) or ask the cluster admin to allow {name}"
+    )
+
+
+def _invalid_spec_fixed(status: dict[str, Any], generation: int) -> bool:
+    """Failed for an invalid spec at an older generation, or for a ServiceAccount the operator
+    refused (the allowed accounts may have changed since), and the spec now passes."""
+    failed = next((c for c in status.get("conditions", []) if c.get("type") == "Failed"), None)
+    if status.get("phase") != "Failed" or failed is None:
+        return False
+    if failed.get("reason") == SERVICE_ACCOUNT_REFUSED:
+        return True
+    return bool(
+        failed.get("reason") == "InvalidSpec" and failed.get("observedGeneration") != generation
     )
 
 
@@ -384,8 +408,15 @@ def _transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSp
 
 
 def _invalid_spec_plan(
-    key: str, old: dict[str, Any], generation: int, message: str, now: float
+    key: str,
+    old: dict[str, Any],
+    generation: int,
+    message: str,
+    now: float,
+    reason: str = "InvalidSpec",
+    pods: tuple[dict[str, Any], ...] = (),
 ) -> Plan:
+    """Failed with ``reason`` (a Warning Event says why once); ``pods``, the job's pods, go."""
     status = {
         **old,
         "phase": "Failed",
@@ -395,18 +426,24 @@ def _invalid_spec_plan(
             {
                 "type": "Failed",
                 "status": "True",
-                "reason": "InvalidSpec",
+                "reason": reason,
                 "message": message,
                 "observedGeneration": generation,
                 "lastTransitionTime": _iso(now),
             }
         ],
     }
+    going = tuple(
+        ObjectRef("v1", "Pod", p["metadata"]["name"])
+        for p in pods
+        if _pod_phase(p) != "Terminating"
+    )
     if old.get("phase") == "Failed" and old.get("message") == message:
-        return Plan(job_key=key)
+        return Plan(job_key=key, delete=going)
     return Plan(
         status=status,
         status_patch=merge_patch_between(old, status),
-        events=(EventSpec("Warning", "InvalidSpec", message),),
+        events=(EventSpec("Warning", reason, message),),
         job_key=key,
+        delete=going,
     )

@@ -30,6 +30,9 @@ class Policy:
     worker_env: tuple[tuple[str, str], ...] = ()  # NCCL_* of the operator, passed to workers
     # who may reach a job's metrics port (NetworkPolicyPeer objects); None: no NetworkPolicy
     metrics_from: tuple[dict[str, Any], ...] | None = METRICS_FROM_ANYWHERE
+    # ServiceAccounts spec.worker.serviceAccountName may name ("*": any); empty: none, the pods
+    # run as the accounts the operator creates per job
+    allowed_service_accounts: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
