@@ -7,7 +7,9 @@ Aspects under test:
 - the hold rule and the live control: a rollout holds back at the staleness bound, a
   tightened ``max_versions`` in ``control.json`` takes effect, a malformed file is ignored; a
   paused rollout (real rollout + trainer in process, loopback HTTP) joins and heartbeats but
-  sends nothing until unpaused;
+  sends nothing until unpaused; with ``endpoints.tls_dir`` the same pair streams weights and
+  experience over HTTPS (the certificate checked against ``trainer_host``), plain HTTP gets
+  nothing;
 - the trainer's own accounting (in process, real experience server over loopback): with
   ``maxVersions = k`` nothing more than k versions behind is trained on, what arrives too stale
   is dropped and counted by reason in the step record, the Progress heartbeat and Prometheus;
@@ -871,3 +873,49 @@ def test_trainer_reports_the_last_step_only_with_the_exported_model(tiny_model, 
     exported = Path(last_step[-1].exported_model)
     assert (exported / "config.json").is_file()
     assert list(exported.glob("model-*.safetensors"))
+
+
+def test_trainer_and_rollout_with_tls_dir_stream_over_https(tiny_model, tmp_path, tls_dir):
+    """#27 item 10: with ``endpoints.tls_dir`` the trainer serves experience and weights over
+    HTTPS and a rollout joins (weights) and delivers (experience) through them, verifying the
+    certificate against ``trainer_host``; a plain-HTTP client gets nothing."""
+    import threading
+
+    from rljob_workers.rollout_worker import RolloutWorker
+
+    endpoints = Endpoints(
+        trainer_host="localhost",
+        experience_port=free_port(),
+        weights_port=free_port(),
+        rendezvous_port=free_port(),
+        metrics_port=0,
+        tls_dir=str(tls_dir),
+    )
+    config = _config(
+        tiny_model, tmp_path, total_steps=1, dynamic_sampling=False, endpoints=endpoints
+    )
+    (tmp_path / "config.json").write_text(config.dump())
+    env = ProcessEnv(role="trainer", config_path=str(tmp_path / "config.json"), token=TOKEN)
+    trainer = TrainerWorker(config, env)
+    stop = threading.Event()
+    rollout = RolloutWorker(config, env.model_copy(update={"role": "rollout"}), stop=stop)
+    runner = threading.Thread(target=rollout.run, daemon=True)
+    runner.start()
+    try:
+        assert trainer.servers is not None
+        servers = trainer.servers
+        _wait_for(lambda: servers.experience.stats.accepted > 0, 60, "experience over HTTPS")
+        plain = ExperienceClient(f"http://127.0.0.1:{endpoints.experience_port}", TOKEN)
+        with pytest.raises(TimeoutError):
+            plain.send([_synthetic_group("plain", 0, [1, 2])[0]], timeout_s=0.5)
+        plain.close()
+    finally:
+        stop.set()
+        runner.join(timeout=30)
+        trainer.close()
+    assert servers.experience.url.startswith("https://") and servers.weights.url.startswith(
+        "https://"
+    )
+    assert rollout.join_trainer_version == 0
+    assert servers.experience.refused["handshake"] >= 1
+    assert servers.weights.refused == dict.fromkeys(servers.weights.refused, 0)

@@ -211,6 +211,13 @@ class Endpoints(_Model):
     experience_port: int = 29600
     weights_port: int = 29700
     metrics_port: int = 9400
+    tls_dir: str | None = Field(
+        None,
+        description="directory with ca.crt, tls.crt, tls.key (a per-job CA and a serving "
+        "certificate for the trainer's DNS names, covering trainer_host): the experience and "
+        "weight servers serve HTTPS with tls.crt and tls.key, rollouts connect to "
+        "https://trainer_host trusting ca.crt alone. None: plain HTTP",
+    )
 
 
 class WorkerConfig(_Model):

@@ -41,7 +41,7 @@ from rljob_workers.engine import Completion, RolloutEngine, build_engine
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.staleness import effective_max_versions, must_hold
 from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, score_groups
-from rljob_workers.transport import ExperienceClient, token_from_env
+from rljob_workers.transport import ExperienceClient, client_context, token_from_env
 from rljob_workers.weightsync import WeightClient
 
 __all__ = ["RolloutWorker", "run_rollout_process", "shard_prompts"]
@@ -89,10 +89,13 @@ class RolloutWorker:
         self.stop = stop or threading.Event()
         self.incarnation = f"r{env.replica}.{secrets.token_hex(3)}"
         token = env.token or token_from_env()
-        base = f"http://{config.endpoints.trainer_host}"
-        self.experience = ExperienceClient(f"{base}:{config.endpoints.experience_port}", token)
+        tls = client_context(config.endpoints.tls_dir)
+        base = f"{'http' if tls is None else 'https'}://{config.endpoints.trainer_host}"
+        self.experience = ExperienceClient(
+            f"{base}:{config.endpoints.experience_port}", token, tls=tls
+        )
         self.weights = WeightClient(
-            f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True
+            f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True, tls=tls
         )
         self.task: TaskData = load_task_data(config.task)
         self.shard = shard_prompts(len(self.task.prompts), env.replica, env.world_size)

@@ -69,7 +69,7 @@ from rljob_workers.policy import PolicyModel, pad_token_id
 from rljob_workers.report import shown
 from rljob_workers.sharding import COMPUTE_DTYPES
 from rljob_workers.staleness import StalenessAccounting, effective_max_versions
-from rljob_workers.transport import ExperienceServer, token_from_env
+from rljob_workers.transport import ExperienceServer, server_context, token_from_env
 from rljob_workers.weightsync import PublishReport, TensorSpec, WeightServer
 
 __all__ = [
@@ -158,6 +158,7 @@ class _Servers:
     ) -> None:
         token = env.token or token_from_env()
         host = serving_host(config.endpoints.trainer_host)
+        tls = server_context(config.endpoints.tls_dir)
         ages = [config.buffer.max_age_seconds, config.staleness.max_age_seconds]
         max_age = min((a for a in ages if a is not None), default=None)
         self.configured_max_versions = config.staleness.max_versions
@@ -173,6 +174,7 @@ class _Servers:
             host=host,
             port=config.endpoints.experience_port,
             vocab_size=vocab_size,  # ids the policy cannot embed are refused at the door
+            tls=tls,
         )
         self.weights = WeightServer(
             token,
@@ -182,6 +184,7 @@ class _Servers:
             # the served version lives in an unlinked file under $TMPDIR (the pod's scratch
             # emptyDir), not in this process's memory: a publish from shards holds a bucket
             spool_dir=tempfile.gettempdir(),
+            tls=tls,
         )
         self.experience.set_policy_version(version)
         self.control = ControlWatcher.beside(env.config_path)

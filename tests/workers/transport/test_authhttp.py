@@ -88,10 +88,11 @@ def trickle_until_cut(conn: socket.socket, start: bytes, give_up_s: float = 4.0)
 
 
 def wait_for(condition: Any, within_s: float = 5.0) -> bool:
+    """Whether ``condition()`` came true within ``within_s`` (each call made once: it may act)."""
     deadline = time.monotonic() + within_s
-    while not condition() and time.monotonic() < deadline:
+    while not (met := bool(condition())) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return bool(condition())
+    return met
 
 
 @pytest.fixture

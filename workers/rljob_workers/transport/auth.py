@@ -13,7 +13,6 @@ import hmac
 import os
 from collections.abc import Mapping
 from enum import Enum
-from urllib.parse import urlsplit
 
 __all__ = [
     "TOKEN_ENV",
@@ -49,14 +48,6 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str:
             "(the operator does this; for a local run export any non-empty value)"
         )
     return token
-
-
-def http_endpoint(url: str) -> tuple[str, int]:
-    """``(host, port)`` of an ``http://host:port`` URL; a clear error for anything else."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"url: expected http://host:port, got {url!r}")
-    return parts.hostname, parts.port or 80
 
 
 def bearer_header(token: str) -> dict[str, str]:

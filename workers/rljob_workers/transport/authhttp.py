@@ -14,6 +14,13 @@ them); at most ``max_connections`` connections are open. A connection over the c
 oldest open connection that never sent the token (an idle or trickling peer), so a flood of idle
 connections neither takes a thread each nor keeps the rollouts out; when every open connection
 has sent the token, the new one is answered 503 with ``Retry-After`` and closed at once.
+
+With ``tls`` (a server context, ``tls.server_context``) it serves HTTPS. Each connection's
+handshake runs on its own thread, never the accept loop's, and must end by the deadline of the
+connection's first request head: a peer that opens a connection and never finishes the
+handshake is cut like an idle one (``timeout``), and a failed handshake (a plain-HTTP client,
+one that does not trust the job's CA) ends the connection before a byte of HTTP is read
+(``handshake``). Over the connection cap a TLS connection is closed without an answer.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -49,10 +57,18 @@ _log = logging.getLogger(__name__)
 _DRAIN_LIMIT = 64 << 10
 """Most body bytes read of a refused request (so its client reads the refusal, not a reset)."""
 _RETRY_AFTER_S = 1
-REFUSAL_REASONS = ("missing_token", "wrong_token", "connections", "evicted", "timeout")
+REFUSAL_REASONS = (
+    "missing_token",
+    "wrong_token",
+    "connections",
+    "evicted",
+    "timeout",
+    "handshake",
+)
 """What ``AuthenticatedHTTPServer.refused`` counts: requests without the token (401) or with a
 wrong one (403); connections answered 503 over the cap, cut to make room under it (they never
-sent the token), or cut at a deadline (a request head or body not received in time)."""
+sent the token), cut at a deadline (a TLS handshake, request head or body not received in
+time), or whose TLS handshake failed."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +164,10 @@ class _ThreadingServer(ThreadingHTTPServer):
             admitted = self._admit(request)
         if not admitted:
             self.owner.count_refusal("connections")
-            _turn_away(request)
+            if self.owner.tls is None:
+                _turn_away(request)
+            else:  # a plain answer means nothing to a TLS client; a handshake takes time
+                request.close()
             return
         super().process_request(request, client_address)
 
@@ -166,6 +185,11 @@ class _ThreadingServer(ThreadingHTTPServer):
         self.connections[request] = False
         return True
 
+    def holds(self, request: socket.socket) -> bool:
+        """Whether ``request`` is open as far as the server knows (not cut to make room)."""
+        with self.connections_lock:
+            return request in self.connections
+
     def prove(self, request: socket.socket) -> None:
         """Mark ``request``'s peer as one that sent the token: it is never cut for room."""
         with self.connections_lock:
@@ -181,7 +205,7 @@ class _ThreadingServer(ThreadingHTTPServer):
         """A peer that went away (a rollout leaving at job end or on SIGTERM) is an expected
         event: one line, no traceback. Anything else keeps socketserver's report."""
         error = sys.exc_info()[1]
-        if isinstance(error, ConnectionError | TimeoutError):
+        if isinstance(error, ConnectionError | TimeoutError | ssl.SSLError):
             _log.info("peer %s went away: %s", client_address[0], type(error).__name__)
             return
         super().handle_error(request, client_address)
@@ -266,18 +290,54 @@ class _Handler(BaseHTTPRequestHandler):
     """Whether this connection's peer has sent the token."""
 
     def setup(self) -> None:
+        self.accepted: socket.socket = self.request
+        """The accepted socket, the one the server cuts and counts (``self.connection`` is its
+        TLS socket with TLS on, over a duplicate of its descriptor)."""
+        tls = self.server.owner.tls
+        if tls is not None:
+            self.request = tls.wrap_socket(
+                self.accepted.dup(), server_side=True, do_handshake_on_connect=False
+            )
         super().setup()
         self.rfile.close()
         self.input = _DeadlineInput(self.connection)
         self.rfile = io.BufferedReader(self.input)
+        self.input.expect(self.server.owner.limits.idle_timeout_s, mid_request=False)
+
+    def handle(self) -> None:
+        if isinstance(self.connection, ssl.SSLSocket) and not self._handshake(self.connection):
+            return
+        super().handle()
+
+    def _handshake(self, connection: ssl.SSLSocket) -> bool:
+        """Whether the TLS handshake ended in time (by the first request head's deadline); a
+        failure is counted, unless the server itself cut the connection."""
+        try:
+            connection.settimeout(max(self.input.deadline - time.monotonic(), 1e-3))
+            connection.do_handshake()
+            return True
+        except TimeoutError:
+            reason = "timeout"
+        except OSError as err:  # ssl.SSLError, or the peer left mid-handshake
+            _log.debug("TLS handshake with %s failed: %s", self.client_address[0], err)
+            reason = "handshake"
+        if self.server.holds(self.accepted) and not self.server.owner.closing.is_set():
+            self.server.owner.count_refusal(reason)
+        return False
 
     def handle_one_request(self) -> None:
-        """One request, its head due within the idle timeout; a connection cut at a deadline
-        is counted unless it was a token holder's idle keep-alive."""
-        self.input.expect(self.server.owner.limits.idle_timeout_s, mid_request=False)
+        """One request, its head due by the deadline set when the connection opened or the
+        last answer was sent; a connection cut at a deadline is counted unless it was a token
+        holder's idle keep-alive."""
         super().handle_one_request()
         if self.input.timed_out and (self.input.mid_request or not self.proven):
             self.server.owner.count_refusal("timeout")
+        self.input.expect(self.server.owner.limits.idle_timeout_s, mid_request=False)
+
+    def finish(self) -> None:
+        super().finish()
+        if self.connection is not self.accepted:
+            self.connection.close()  # the TLS socket; the server closes the accepted one
 
     def handle_expect_100(self) -> bool:
         """Send ``100 Continue`` now, not at the answer's flush (curl waits for it)."""
@@ -305,7 +365,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if not self.proven:
                 self.proven = True
-                self.server.prove(self.connection)
+                self.server.prove(self.accepted)
         response = self._route(method, url.path, dict(parse_qsl(url.query)))
         self._send(response)
 
@@ -385,7 +445,8 @@ class AuthenticatedHTTPServer:
     """Serve ``routes`` on ``host:port`` (port 0 picks a free one) behind the job token.
 
     ``refused`` counts refusals by reason (``REFUSAL_REASONS``); ``limits`` bound what one
-    peer may take (``HTTPLimits``). Call ``start``/``close``.
+    peer may take (``HTTPLimits``); ``tls``, a server context, serves HTTPS instead of plain
+    HTTP. Call ``start``/``close``.
     """
 
     def __init__(
@@ -397,6 +458,7 @@ class AuthenticatedHTTPServer:
         port: int = 0,
         limits: HTTPLimits | None = None,
         public_paths: frozenset[str] = frozenset({"/healthz"}),
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not token:
             raise ValueError("token: must be non-empty (the job's RLJOB_TOKEN)")
@@ -405,6 +467,7 @@ class AuthenticatedHTTPServer:
         self.routes.setdefault(("GET", "/healthz"), lambda _: json_response({"ok": True}))
         self.limits = limits or HTTPLimits()
         self.public_paths = public_paths
+        self.tls = tls
         self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         self.closing = threading.Event()
         self._refused_lock = threading.Lock()
@@ -419,9 +482,9 @@ class AuthenticatedHTTPServer:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:41234``."""
+        """Base URL, e.g. ``http://127.0.0.1:41234`` (``https`` with TLS)."""
         host, port = self.address
-        return f"http://{host}:{port}"
+        return f"{'http' if self.tls is None else 'https'}://{host}:{port}"
 
     def count_refusal(self, reason: str) -> None:
         """Count one refusal, ``reason`` one of ``REFUSAL_REASONS``."""

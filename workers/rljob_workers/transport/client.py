@@ -6,7 +6,9 @@ connections, timeouts, 5xx, 429) with jittered exponential backoff, never sooner
 Retry-After the server sent, until everything is acked or the
 deadline passes. Nothing is forgotten on a failure: the next ``flush`` sends it again, so a
 trainer restart costs time, not data. The server de-duplicates by id, so a retry after a lost ack
-is harmless. A refused token (401/403) raises ``AuthError`` at once: retrying cannot fix it.
+is harmless. A refused token (401/403) raises ``AuthError`` at once: retrying cannot fix it; so
+does, over TLS, a server certificate the job's CA did not sign for the host connected to
+(``ssl.SSLCertVerificationError``: a restarted rollout reads the CA again).
 
 One client per rollout worker thread; it is not thread-safe.
 """
@@ -19,6 +21,7 @@ import itertools
 import json
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from rljob_workers.buffer import Trajectory
-from rljob_workers.transport.auth import AuthError, bearer_header, http_endpoint
+from rljob_workers.transport.auth import AuthError, bearer_header
 from rljob_workers.transport.codec import (
     BINARY_CONTENT_TYPE,
     FORMATS_HEADER,
@@ -34,6 +37,7 @@ from rljob_workers.transport.codec import (
     SENT_AT_HEADER,
     encode_batch,
 )
+from rljob_workers.transport.tls import Endpoint
 
 __all__ = ["ClientStats", "ControlAnswer", "ExperienceClient"]
 
@@ -94,7 +98,7 @@ class ExperienceClient:
     """Deliver trajectories to an ``ExperienceServer`` at ``url`` (e.g. ``http://trainer:29600``).
 
     Args:
-        url: the server's base URL.
+        url: the server's base URL: ``http://``, or ``https://`` with ``tls``.
         token: the job's shared token.
         batch_size: most trajectories per request.
         max_pending: most unacked trajectories held; ``submit`` raises ``BufferError`` beyond.
@@ -104,6 +108,8 @@ class ExperienceClient:
             format in ``X-RLJob-Experience-Formats``, then binary frames, and falls back to JSON
             lines when a server refuses a binary batch (an older trainer after a restart);
             ``json`` and ``binary`` pin one format.
+        clock: wall-clock seconds, stamped on each batch (``X-RLJob-Sent-At``).
+        tls: the client context of an ``https`` URL (``tls.client_context``).
     """
 
     def __init__(
@@ -119,12 +125,13 @@ class ExperienceClient:
         seed: int | None = None,
         wire_format: str = "auto",
         clock: Callable[[], float] = time.time,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format: expected one of {WIRE_FORMATS}, got {wire_format!r}")
         self.wire_format = wire_format
         self._server_formats: frozenset[str] = frozenset()
-        self._host, self._port = http_endpoint(url)
+        self._endpoint = Endpoint.of(url, tls)
         self._headers = bearer_header(token)
         self.batch_size = batch_size
         self.max_pending = max_pending
@@ -230,7 +237,7 @@ class ExperienceClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"{method} {path} to {self._host}:{self._port} failed until the deadline "
+                        f"{method} {path} to {self._endpoint} failed until the deadline "
                         f"({err}); {len(self._pending)} trajectories kept pending"
                     ) from None
                 self.stats.retries += 1
@@ -254,6 +261,9 @@ class ExperienceClient:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             payload = response.read()
+        except ssl.SSLCertVerificationError:
+            self.close()
+            raise
         except (OSError, http.client.HTTPException) as err:
             self.close()
             raise _Retryable(f"{type(err).__name__}: {err}") from None
@@ -278,7 +288,7 @@ class ExperienceClient:
     def _interpret(self, status: int, payload: bytes) -> Any:
         if status in (401, 403):
             raise AuthError(
-                f"trainer at {self._host}:{self._port} refused the job token ({status}): "
+                f"trainer at {self._endpoint} refused the job token ({status}): "
                 "check that RLJOB_TOKEN comes from this job's Secret"
             )
         if status >= 500:
@@ -291,7 +301,7 @@ class ExperienceClient:
         if self._conn is not None and time.monotonic() > self._reuse_until:
             self.close()  # the server has closed it by now, or is about to
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            self._conn = self._endpoint.connection(timeout)
         else:
             self._conn.timeout = timeout
             if self._conn.sock is not None:

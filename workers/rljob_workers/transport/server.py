@@ -42,6 +42,7 @@ on are gone with it, and the clients' retries of unacked ones are then welcome, 
 from __future__ import annotations
 
 import math
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +111,7 @@ class ExperienceServer:
         vocab_size: the policy's vocabulary size; a batch with a token id outside
             ``[0, vocab_size)`` is refused (400). None (no model at hand: tests) checks nothing.
         limits: what one connection may take (``HTTPLimits``: body size, timeouts, cap).
+        tls: serve HTTPS with this server context (``tls.server_context``); None: plain HTTP.
 
     The trainer must hold ``locked()`` while it reads or takes from a buffer sink.
     """
@@ -126,6 +128,7 @@ class ExperienceServer:
         formats: tuple[str, ...] = (BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE),
         vocab_size: int | None = None,
         limits: HTTPLimits | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         unknown = set(formats) - {BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE}
         if unknown or not formats:
@@ -144,7 +147,9 @@ class ExperienceServer:
         self._seen = SeenIds(max_versions)
         self._lock = threading.Lock()
         routes = {("POST", "/v1/experience"): self._receive, ("GET", "/v1/control"): self._control}
-        self._http = AuthenticatedHTTPServer(token, routes, host=host, port=port, limits=limits)
+        self._http = AuthenticatedHTTPServer(
+            token, routes, host=host, port=port, limits=limits, tls=tls
+        )
 
     @property
     def url(self) -> str:

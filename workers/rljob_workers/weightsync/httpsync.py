@@ -30,6 +30,7 @@ import http.client
 import json
 import math
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -40,7 +41,7 @@ from urllib.parse import urlencode
 
 import torch
 
-from rljob_workers.transport.auth import AuthError, bearer_header, http_endpoint
+from rljob_workers.transport.auth import AuthError, bearer_header
 from rljob_workers.transport.authhttp import (
     AuthenticatedHTTPServer,
     BadRequest,
@@ -50,6 +51,7 @@ from rljob_workers.transport.authhttp import (
     json_response,
 )
 from rljob_workers.transport.client import retry_after_seconds
+from rljob_workers.transport.tls import Endpoint
 from rljob_workers.weightsync.codec import (
     Compression,
     DecodedWeights,
@@ -106,7 +108,8 @@ class WeightServer:
     steady publish cadence writes into memory that is already mapped. The stores are memory,
     or with ``spool_dir`` unlinked files there (``codec.SpoolFile``): the served version then
     lives in the page cache, not in the trainer's own memory, and a publish from shards
-    (``publish_stream``) holds no more than the tensor being written.
+    (``publish_stream``) holds no more than the tensor being written. With ``tls`` (a
+    ``tls.server_context``) it serves HTTPS.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class WeightServer:
         clock: Callable[[], float] = time.time,
         spool_dir: str | os.PathLike[str] | None = None,
         limits: HTTPLimits | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.compression: Compression = compression
         self._clock = clock
@@ -134,7 +138,9 @@ class WeightServer:
             ("GET", "/v1/weights/latest"): self._latest,
             ("GET", "/v1/weights/version"): self._version_route,
         }
-        self._http = AuthenticatedHTTPServer(token, routes, host=host, port=port, limits=limits)
+        self._http = AuthenticatedHTTPServer(
+            token, routes, host=host, port=port, limits=limits, tls=tls
+        )
 
     @property
     def url(self) -> str:
@@ -282,8 +288,10 @@ class WeightServer:
 class WeightClient:
     """Fetch weights from a ``WeightServer`` (in each rollout worker).
 
-    Transport failures raise ``ConnectionError`` (the rollout loop tries again at its next
-    check); a refused token raises ``AuthError``. With ``reuse_buffers`` every fetch reads into
+    ``url`` is ``http://``, or ``https://`` with ``tls`` (``tls.client_context``). Transport
+    failures raise ``ConnectionError`` (the rollout loop tries again at its next check); a
+    refused token raises ``AuthError``, a server certificate the job's CA did not sign for the
+    host ``ssl.SSLCertVerificationError``. With ``reuse_buffers`` every fetch reads into
     the same tensors (no page faults for a fresh model-sized allocation each time): the tensors
     of one fetch are valid until the next, so load them into the engine before fetching again.
     """
@@ -296,8 +304,9 @@ class WeightClient:
         request_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
         reuse_buffers: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self._host, self._port = http_endpoint(url)
+        self._endpoint = Endpoint.of(url, tls)
         self._headers = bearer_header(token)
         self._pool = TensorPool() if reuse_buffers else None
         self.request_timeout_s = request_timeout_s
@@ -331,17 +340,17 @@ class WeightClient:
         wait = self._not_before - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-        conn = http.client.HTTPConnection(
-            self._host, self._port, timeout=self.request_timeout_s + wait_s
-        )
+        conn = self._endpoint.connection(self.request_timeout_s + wait_s)
         try:
             conn.request("GET", path, headers=self._headers)
             response = conn.getresponse()
             status = response.status
             result = read(response) if status == 200 else response.read()
             after = retry_after_seconds(response.getheader("Retry-After"))
+        except ssl.SSLCertVerificationError:
+            raise  # not the trainer this job's CA vouches for: no retry makes it so
         except (OSError, http.client.HTTPException, ValueError) as err:
-            raise ConnectionError(f"weights from {self._host}:{self._port}: {err}") from err
+            raise ConnectionError(f"weights from {self._endpoint}: {err}") from err
         finally:
             conn.close()
         if status == 200:
@@ -357,7 +366,7 @@ class WeightClient:
     def _check_status(self, status: int, payload: bytes) -> None:
         if status in (401, 403):
             raise AuthError(
-                f"weight server {self._host}:{self._port} refused the job token "
+                f"weight server {self._endpoint} refused the job token "
                 f"({status}): check that RLJOB_TOKEN comes from this job's Secret"
             )
         if status != 204:
