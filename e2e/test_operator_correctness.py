@@ -23,12 +23,15 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 
 from e2e.cluster import LocalCluster
 from e2e.helpers import get_json, report_now, wait_for
@@ -281,3 +284,35 @@ def test_same_named_objects_not_owned_by_the_job_are_left_alone(
     cluster.kubectl("delete", "secret", "taken-token", "-n", namespace)
     wait_for(lambda: running(cluster, namespace, "taken", 2), 120, "job Running once freed")
     assert status(cluster, namespace, "taken")["tokenSecret"] == "taken-token"
+
+
+def test_data_plane_tls_job_gets_its_certificate_mounted(
+    cluster: LocalCluster, operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    """#27 item 10: with --data-plane-tls a new job's token Secret carries a CA and a certificate
+    for its trainer's Service names (issued once, when the Secret is created), every pod mounts
+    them, and the status records it; the API server stores what the builders asked for."""
+    operator.kill(signal.SIGTERM)
+    tls = OperatorProcess(
+        cluster, tmp_path / "tls-operator.log", args=("--all-namespaces", "--data-plane-tls")
+    )
+    tls.start()
+    try:
+        submit(cluster, namespace, "sealed", example="dapo-disaggregated")
+        wait_for(lambda: running(cluster, namespace, "sealed", 4), 90, "job Running")
+        job = status(cluster, namespace, "sealed")
+        assert job["tokenSecret"] == "sealed-token" and job["tokenSecretTLS"] is True
+        secret = get_json(cluster, "secret", "sealed-token", "-n", namespace)["data"]
+        assert {"token", "ca.crt", "tls.crt", "tls.key"} <= set(secret)
+        cert = x509.load_pem_x509_certificate(base64.b64decode(secret["tls.crt"]))
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert f"*.sealed-trainer.{namespace}.svc" in names.get_values_for_type(x509.DNSName)
+        for pod in pods(cluster, namespace, "sealed"):
+            mounts = pod["spec"]["containers"][0]["volumeMounts"]
+            assert any(m["mountPath"] == "/etc/rljob-tls" for m in mounts)
+        config = get_json(cluster, "configmap", "sealed-config", "-n", namespace)["data"]
+        assert json.loads(config["config.json"])["endpoints"]["tls_dir"] == "/etc/rljob-tls"
+    finally:
+        cluster.kubectl("delete", "rljob", "sealed", "-n", namespace, "--wait=false", check=False)
+        tls.kill(signal.SIGTERM)
+        operator.start()

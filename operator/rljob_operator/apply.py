@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import secrets
@@ -9,15 +10,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.api import GROUP, VERSION
-from rljob_operator.builders import owned_by
+from rljob_operator.builders import ANNOTATION_TLS_HOSTS, TLS_KEYS, owned_by
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import WORKLOAD_API
+from rljob_operator.pki import issue_certificates
 from rljob_operator.reconcile import (
     GANG_UNAVAILABLE,
     POD_INPUTS,
@@ -228,27 +230,41 @@ def _create_token(kube: Kube, job: dict[str, Any], obj: dict[str, Any]) -> None:
             return
         if not status.get("startTime"):
             raise NotOurs(obj, job, "was not created by the operator for this job") from None
-    _record_token(kube, job, name)
+        _record_token(kube, job, name, tls=False)  # made by an earlier operator: no certificate
+        return
+    _record_token(kube, job, name, tls=any(k in obj.get("stringData", {}) for k in TLS_KEYS))
 
 
-def _record_token(kube: Kube, job: dict[str, Any], name: str) -> None:
+def _record_token(kube: Kube, job: dict[str, Any], name: str, *, tls: bool) -> None:
     meta = job["metadata"]
+    record = {"tokenSecret": name, "tokenSecretTLS": tls}
     written = kube.merge_patch(
         f"{GROUP}/{VERSION}",
         "RLJob",
         meta["namespace"],
         meta["name"],
-        {"status": {"tokenSecret": name}},
+        {"status": record},
         subresource="status",
     )
-    job.setdefault("status", {})["tokenSecret"] = name
+    job.setdefault("status", {}).update(record)
     version = ((written or {}).get("metadata") or {}).get("resourceVersion")
     if version and meta.get("resourceVersion"):  # the pass's status write follows this one
         meta["resourceVersion"] = version
 
 
+DATA_PLANE_CERT_VALIDITY = datetime.timedelta(days=3 * 365)
+"""Lifetime of a job's data-plane certificate (issued once, with its token Secret)."""
+
+
 def _with_generated_token(obj: dict[str, Any]) -> dict[str, Any]:
+    """The token Secret with its placeholders filled: a 256-bit token, and with TLS a fresh CA
+    and a serving certificate for the names the builder listed (the CA key is not kept)."""
     data = dict(obj.get("stringData", {}))
+    hosts = ((obj["metadata"].get("annotations") or {}).get(ANNOTATION_TLS_HOSTS) or "").split(",")
+    if any(data.get(k) == TOKEN_PLACEHOLDER for k in TLS_KEYS):
+        now = datetime.datetime.now(datetime.UTC)
+        certs = issue_certificates([h for h in hosts if h], DATA_PLANE_CERT_VALIDITY, now)
+        data |= {"ca.crt": certs.ca, "tls.crt": certs.cert, "tls.key": certs.key}
     for key, value in data.items():
         if value == TOKEN_PLACEHOLDER:
             data[key] = secrets.token_hex(32)
@@ -278,7 +294,7 @@ def status_refused(kube: Kube, job: dict[str, Any], exc: ApiException) -> None:
     )
     log.warning("%s/%s: %s", meta["namespace"], meta["name"], message)
     apply_event(kube, job, EventSpec("Warning", "StatusRejected", message))
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     kept = [
         c
         for c in (job.get("status") or {}).get("conditions") or []
@@ -324,7 +340,7 @@ def apply_event(kube: Kube, job: dict[str, Any], event: EventSpec) -> None:
     """Post a core/v1 Event about the job, or bump the count of the identical one posted before
     (best effort: a failed Event never fails a reconcile)."""
     meta = job["metadata"]
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     message = event.message[:1024]
     key = (str(meta.get("uid")), event.type, event.reason, message)
     try:

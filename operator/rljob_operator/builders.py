@@ -63,6 +63,13 @@ ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 ANNOTATION_RESTART_EPOCH = f"{GROUP}/restart-epoch"
 DEFAULT_IMAGE = "ghcr.io/rljob/rljob-worker:0.1.0-cpu"
 CONFIG_MOUNT = "/etc/rljob"
+TLS_MOUNT = "/etc/rljob-tls"
+"""Where a job with a TLS data plane finds its CA and the trainer's certificate and key."""
+TLS_KEYS = ("ca.crt", "tls.crt", "tls.key")
+"""Keys of the job's token Secret that hold the data-plane certificates (with TLS)."""
+ANNOTATION_TLS_HOSTS = "rljob.io/tls-hosts"
+"""On the token Secret as built: the names the serving certificate must cover (comma-separated);
+apply issues the certificate for them when it creates the Secret."""
 HOME_MOUNT = "/home/rljob"  # an emptyDir: $HOME of the worker image, writable
 CHECKPOINT_MOUNT = "/checkpoints"
 MODEL_MOUNT = "/models"
@@ -260,6 +267,7 @@ def build_worker_config(
     *,
     endpoints: Endpoints | None = None,
     output_dir: str = "/tmp/rljob",
+    tls: bool = False,
     checkpoint_dir: str | None = None,
     model_path: str | None = None,
 ) -> WorkerConfig:
@@ -343,6 +351,7 @@ def build_worker_config(
             experience_port=PORTS["experience"],
             weights_port=PORTS["weights"],
             metrics_port=PORTS["metrics"],
+            tls_dir=TLS_MOUNT if tls else None,
         ),
         total_steps=spec.total_steps,
         seed=spec.seed,
@@ -376,6 +385,7 @@ HASH_NEUTRAL: dict[str, object] = {
     "algorithm.mis_level": "token",
     "rollout.sampling.top_k": 0,
     "rollout.sampling.min_p": 0.0,
+    "endpoints.tls_dir": None,
 }
 """Worker-config fields added after the first release, by dotted path, with the value a job
 stored before the field existed renders now (the spec default, or what an unset field resolves
@@ -453,15 +463,32 @@ def build_configmap(
     }
 
 
-def build_token_secret(job: JobRef, token: str) -> dict[str, Any]:
-    """The per-job token that authenticates the experience stream and weight endpoints."""
+def build_token_secret(
+    job: JobRef, token: str, tls_hosts: Sequence[str] = (), generated: str = ""
+) -> dict[str, Any]:
+    """The per-job token that authenticates the experience stream and weight endpoints; with
+    ``tls_hosts`` also a per-job CA and a serving certificate for those names (``generated``
+    stands for each PEM until apply issues them, as ``token`` may for the token)."""
+    data = {"token": token}
+    meta = _metadata(job, secret_name(job))
+    if tls_hosts:
+        data |= dict.fromkeys(TLS_KEYS, generated)
+        meta["annotations"] = {ANNOTATION_TLS_HOSTS: ",".join(tls_hosts)}
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(job, secret_name(job)),
-        "stringData": {"token": token},
+        "metadata": meta,
+        "stringData": data,
     }
+
+
+def tls_hosts(job: JobRef, topology: Topology) -> list[str]:
+    """The names the trainer's data-plane certificate covers: any pod of the training role's
+    headless Service (the rollouts reach rank 0 as ``<pod>.<service>.<namespace>.svc``)."""
+    role: Role = "actor" if topology == "colocated" else "trainer"
+    domain = f"{service_name(job, role)}.{job.namespace}.svc"
+    return [f"*.{domain}", f"*.{domain}.cluster.local"]
 
 
 def build_progress_configmap(job: JobRef, role: Role = "trainer") -> dict[str, Any]:
@@ -635,6 +662,7 @@ def build_pod(
     config_digest: str,
     restart_epoch: int = 0,
     worker_env: tuple[tuple[str, str], ...] = (),
+    tls: bool = False,
 ) -> dict[str, Any]:
     """One worker pod with a stable name, GPU requests, rendezvous env and a locked-down context.
 
@@ -670,6 +698,20 @@ def build_pod(
         "volumes": _volumes(spec, job, role),
         "terminationGracePeriodSeconds": spec.worker.termination_grace_period_seconds,
     }
+    if tls:  # the job's CA; the trainer's certificate and key only where its servers run
+        keys = ("ca.crt",) if role == "rollout" else TLS_KEYS
+        pod_spec["volumes"].append(
+            {
+                "name": "data-plane-tls",
+                "secret": {
+                    "secretName": secret_name(job),
+                    "items": [{"key": k, "path": k} for k in keys],
+                    "defaultMode": 0o440,
+                },
+            }
+        )
+        mount = {"name": "data-plane-tls", "mountPath": TLS_MOUNT, "readOnly": True}
+        pod_spec["containers"][0]["volumeMounts"].append(mount)
     _scheduling(pod_spec, spec, role_gpus(spec, role))
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
     overrides = role_overrides(spec, role)
@@ -859,11 +901,13 @@ def build_children(
     resume_from: str | None = None,
     worker_env: tuple[tuple[str, str], ...] = (),
     metrics_from: Sequence[Mapping[str, Any]] | None = METRICS_FROM_ANYWHERE,
+    tls: bool = False,
 ) -> list[dict[str, Any]]:
     """Every object the job should own right now, in apply order (``metrics_from`` None: no
-    NetworkPolicy, for clusters that manage their own)."""
+    NetworkPolicy, for clusters that manage their own; ``tls``: the data plane runs over TLS
+    with a per-job CA and certificate carried by the token Secret)."""
     spec = job.spec
-    config = build_worker_config(spec, ref, topology)
+    config = build_worker_config(spec, ref, topology, tls=tls)
     if resume_from:
         config = config.model_copy(
             update={"checkpoint": config.checkpoint.model_copy(update={"resume_from": resume_from})}
@@ -877,7 +921,7 @@ def build_children(
     if claim is not None:
         objects.append(claim)
     objects += [
-        build_token_secret(ref, token),
+        build_token_secret(ref, token, tls_hosts(ref, topology) if tls else (), token),
         *build_worker_rbac(ref, spec.worker.service_account_name, roles),
     ]
     objects += [build_headless_service(ref, role) for role in roles]
@@ -898,6 +942,7 @@ def build_children(
                         config_digest=digest,
                         restart_epoch=restart_epochs.get(role, 0),
                         worker_env=worker_env,
+                        tls=tls,
                     )
                 )
     return objects

@@ -80,6 +80,13 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         '"monitoring"}}}]\'); [] closes it; default: any pod of the cluster',
     )
     parser.add_argument(
+        "--data-plane-tls",
+        action="store_true",
+        help="jobs created from now on run their experience stream and weight sync over TLS: "
+        "each gets a CA and a certificate for its trainer in its token Secret (mounted at "
+        "/etc/rljob-tls); a running job keeps what it was created with",
+    )
+    parser.add_argument(
         "--no-network-policy",
         action="store_true",
         help="create no NetworkPolicy per job (the cluster's admins fence the job pods "
@@ -113,6 +120,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
         worker_env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("NCCL_"))),
         metrics_from=None if args.no_network_policy else tuple(args.metrics_from),
         allowed_service_accounts=args.allowed_service_accounts,
+        data_plane_tls=args.data_plane_tls,
     )
 
     logging.basicConfig(

@@ -341,6 +341,6 @@ def test_apply_plan_new_token_secret_recorded_before_the_status_write() -> None:
     assert apply_plan(api, job, plan) == ()  # type: ignore[arg-type]
     assert api.created == ["Secret/j-token"]
     first, second = (p["body"] for p in api.patches)
-    assert first == {"status": {"tokenSecret": "j-token"}}
+    assert first == {"status": {"tokenSecret": "j-token", "tokenSecretTLS": False}}
     # the pass's status write is conditional on the version: the one after the record
     assert second["metadata"]["resourceVersion"] == "2"

@@ -154,7 +154,15 @@ FreeObject = Annotated[
 schemas of ``api.k8s`` instead)."""
 
 
-OPERATOR_VOLUMES: Final = ("config", "tmp", "home", "dshm", "checkpoints", "model")
+OPERATOR_VOLUMES: Final = (
+    "config",
+    "tmp",
+    "home",
+    "dshm",
+    "checkpoints",
+    "model",
+    "data-plane-tls",
+)
 """Volume names of the worker pods that the operator owns."""
 OPERATOR_ENV_PREFIXES: Final = ("RLJOB_",)
 OPERATOR_ENV: Final = (

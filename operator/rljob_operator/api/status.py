@@ -224,6 +224,13 @@ class RLJobStatus(StatusModel):
         description="The job's token Secret, once the operator created it (an existing Secret "
         "of that name that it did not create is never used: its value would reach the pods).",
     )
+    token_secret_tls: bool | None = Field(
+        None,
+        alias="tokenSecretTLS",
+        description="Whether the token Secret also carries the job's data-plane CA and the "
+        "trainer's certificate (the operator ran with --data-plane-tls when it created it): the "
+        "experience stream and weight sync then run over TLS.",
+    )
     completion_time: AwareDatetime | None = Field(
         None, description="When the job Succeeded or Failed."
     )

@@ -76,7 +76,18 @@ def _desired_children(
         resume_from=work.status.get("resumeFrom"),
         worker_env=policy.worker_env,
         metrics_from=policy.metrics_from,
+        tls=data_plane_tls(work.status, policy),
     )
+
+
+def data_plane_tls(status: dict[str, Any], policy: Policy) -> bool:
+    """Whether a job's data plane runs over TLS: as its token Secret was made (it carries the
+    certificate or not, and the operator cannot read or rewrite it); a job whose Secret is yet
+    to be made follows the operator's ``--data-plane-tls``, except one that ran under an earlier
+    operator (its Secret exists, without a certificate)."""
+    if status.get("tokenSecret"):
+        return bool(status.get("tokenSecretTLS"))
+    return policy.data_plane_tls and not status.get("startTime")
 
 
 def _sync_children(

@@ -33,6 +33,9 @@ class Policy:
     # ServiceAccounts spec.worker.serviceAccountName may name ("*": any); empty: none, the pods
     # run as the accounts the operator creates per job
     allowed_service_accounts: frozenset[str] = frozenset()
+    # the data plane of jobs created from now on runs over TLS (a per-job CA and certificate in
+    # the token Secret); a job keeps what its token Secret was made with
+    data_plane_tls: bool = False
 
 
 @dataclass(frozen=True)
