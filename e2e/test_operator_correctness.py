@@ -316,3 +316,38 @@ def test_data_plane_tls_job_gets_its_certificate_mounted(
         cluster.kubectl("delete", "rljob", "sealed", "-n", namespace, "--wait=false", check=False)
         tls.kill(signal.SIGTERM)
         operator.start()
+
+
+def test_token_rotated_when_the_job_starts_again_from_no_pods(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    """#27 item 10: suspend and resume: the pods that start again read a fresh token from a new
+    Secret; while pods run the token stays."""
+    submit(cluster, namespace, "renew", example="grpo-colocated")
+    wait_for(lambda: running(cluster, namespace, "renew", 2), 90, "job Running")
+    wait_for(
+        lambda: status(cluster, namespace, "renew").get("tokenSecretServed") == "renew-token",
+        30,
+        "the first token marked as served",
+    )
+
+    def token_of_pods() -> set[str]:
+        names = set()
+        for pod in pods(cluster, namespace, "renew"):
+            for env in pod["spec"]["containers"][0]["env"]:
+                if env["name"] == "RLJOB_TOKEN":
+                    names.add(env["valueFrom"]["secretKeyRef"]["name"])
+        return names
+
+    assert token_of_pods() == {"renew-token"}
+    suspend = json.dumps({"spec": {"suspend": True}})
+    cluster.kubectl("patch", "rljob", "renew", "-n", namespace, "--type=merge", "-p", suspend)
+    wait_for(lambda: not pods(cluster, namespace, "renew"), 60, "every pod gone")
+    resume = json.dumps({"spec": {"suspend": False}})
+    cluster.kubectl("patch", "rljob", "renew", "-n", namespace, "--type=merge", "-p", resume)
+    wait_for(lambda: running(cluster, namespace, "renew", 2), 90, "job Running again")
+    assert token_of_pods() == {"renew-token-2"}
+    assert status(cluster, namespace, "renew")["tokenSecret"] == "renew-token-2"
+    old = get_json(cluster, "secret", "renew-token", "-n", namespace)["data"]["token"]
+    new = get_json(cluster, "secret", "renew-token-2", "-n", namespace)["data"]["token"]
+    assert old != new

@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.api import GROUP, VERSION
-from rljob_operator.builders import ANNOTATION_TLS_HOSTS, TLS_KEYS, owned_by
+from rljob_operator.builders import ANNOTATION_TLS_HOSTS, TLS_KEYS, JobRef, owned_by, secret_name
 from rljob_operator.kube import Kube
 from rljob_operator.kueue import WORKLOAD_API
 from rljob_operator.pki import issue_certificates
@@ -228,7 +228,8 @@ def _create_token(kube: Kube, job: dict[str, Any], obj: dict[str, Any]) -> None:
             raise
         if status.get("tokenSecret") == name:
             return
-        if not status.get("startTime"):
+        first = secret_name(JobRef.from_metadata(job["metadata"]))
+        if not status.get("startTime") or name != first:  # an earlier operator made only that
             raise NotOurs(obj, job, "was not created by the operator for this job") from None
         _record_token(kube, job, name, tls=False)  # made by an earlier operator: no certificate
         return

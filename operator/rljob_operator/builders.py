@@ -139,8 +139,17 @@ def configmap_name(job: JobRef) -> str:
     return f"{job.name}-config"
 
 
-def secret_name(job: JobRef) -> str:
-    return f"{job.name}-token"
+def secret_name(job: JobRef, epoch: int = 1) -> str:
+    """The job's token Secret of ``epoch``: ``<job>-token``, then ``<job>-token-2``, ``-3``... (a
+    new one each time every pod of the job is gone and pods start again: a fresh token)."""
+    return f"{job.name}-token" if epoch <= 1 else f"{job.name}-token-{epoch}"
+
+
+def next_secret_name(job: JobRef, current: str) -> str:
+    """The token Secret after ``current`` (one of ``secret_name``'s)."""
+    suffix = current.removeprefix(secret_name(job)).removeprefix("-")
+    epoch = int(suffix) if suffix.isdigit() else 1
+    return secret_name(job, epoch + 1)
 
 
 def progress_name(job: JobRef, role: Role = "trainer") -> str:
@@ -464,13 +473,17 @@ def build_configmap(
 
 
 def build_token_secret(
-    job: JobRef, token: str, tls_hosts: Sequence[str] = (), generated: str = ""
+    job: JobRef,
+    token: str,
+    tls_hosts: Sequence[str] = (),
+    generated: str = "",
+    name: str | None = None,
 ) -> dict[str, Any]:
     """The per-job token that authenticates the experience stream and weight endpoints; with
     ``tls_hosts`` also a per-job CA and a serving certificate for those names (``generated``
     stands for each PEM until apply issues them, as ``token`` may for the token)."""
     data = {"token": token}
-    meta = _metadata(job, secret_name(job))
+    meta = _metadata(job, name or secret_name(job))
     if tls_hosts:
         data |= dict.fromkeys(TLS_KEYS, generated)
         meta["annotations"] = {ANNOTATION_TLS_HOSTS: ",".join(tls_hosts)}
@@ -663,6 +676,7 @@ def build_pod(
     restart_epoch: int = 0,
     worker_env: tuple[tuple[str, str], ...] = (),
     tls: bool = False,
+    token_secret: str | None = None,
 ) -> dict[str, Any]:
     """One worker pod with a stable name, GPU requests, rendezvous env and a locked-down context.
 
@@ -694,7 +708,18 @@ def build_pod(
             "fsGroup": 1000,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_container(spec, job, role, index, world, topology, worker_env)],
+        "containers": [
+            _container(
+                spec,
+                job,
+                role,
+                index,
+                world,
+                topology,
+                worker_env,
+                token_secret or secret_name(job),
+            )
+        ],
         "volumes": _volumes(spec, job, role),
         "terminationGracePeriodSeconds": spec.worker.termination_grace_period_seconds,
     }
@@ -704,7 +729,7 @@ def build_pod(
             {
                 "name": "data-plane-tls",
                 "secret": {
-                    "secretName": secret_name(job),
+                    "secretName": token_secret or secret_name(job),
                     "items": [{"key": k, "path": k} for k in keys],
                     "defaultMode": 0o440,
                 },
@@ -761,6 +786,7 @@ def _container(
     world: int,
     topology: Topology,
     worker_env: tuple[tuple[str, str], ...] = (),
+    token_secret: str = "",
 ) -> dict[str, Any]:
     gpus = role_gpus(spec, role)
     resources_spec = spec.rollout.resources if role == "rollout" else spec.trainer.resources
@@ -779,7 +805,9 @@ def _container(
         {"name": "MASTER_PORT", "value": str(PORTS["rendezvous"])},
         {
             "name": "RLJOB_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": secret_name(job), "key": "token"}},
+            "valueFrom": {
+                "secretKeyRef": {"name": token_secret or secret_name(job), "key": "token"}
+            },
         },
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -902,10 +930,12 @@ def build_children(
     worker_env: tuple[tuple[str, str], ...] = (),
     metrics_from: Sequence[Mapping[str, Any]] | None = METRICS_FROM_ANYWHERE,
     tls: bool = False,
+    token_secret: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the job should own right now, in apply order (``metrics_from`` None: no
     NetworkPolicy, for clusters that manage their own; ``tls``: the data plane runs over TLS
-    with a per-job CA and certificate carried by the token Secret)."""
+    with a per-job CA and certificate carried by the token Secret; ``token_secret``: the token
+    Secret the pods read, default ``secret_name``)."""
     spec = job.spec
     config = build_worker_config(spec, ref, topology, tls=tls)
     if resume_from:
@@ -921,7 +951,9 @@ def build_children(
     if claim is not None:
         objects.append(claim)
     objects += [
-        build_token_secret(ref, token, tls_hosts(ref, topology) if tls else (), token),
+        build_token_secret(
+            ref, token, tls_hosts(ref, topology) if tls else (), token, name=token_secret
+        ),
         *build_worker_rbac(ref, spec.worker.service_account_name, roles),
     ]
     objects += [build_headless_service(ref, role) for role in roles]
@@ -943,6 +975,7 @@ def build_children(
                         restart_epoch=restart_epochs.get(role, 0),
                         worker_env=worker_env,
                         tls=tls,
+                        token_secret=token_secret,
                     )
                 )
     return objects

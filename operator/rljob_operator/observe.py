@@ -78,9 +78,10 @@ def observe_job(
         services=frozenset(s["metadata"]["name"] for s in services),
         configmaps={c["metadata"]["name"]: c for c in configmaps},
         secrets=frozenset(
-            [f"{name}-token"]
+            [recorded]
+            if (recorded := (job.get("status") or {}).get("tokenSecret"))
+            else [f"{name}-token"]
             if job["metadata"].get("uid") in (tokens or set())
-            or (job.get("status") or {}).get("tokenSecret") == f"{name}-token"
             else []
         ),
         present=frozenset(present),

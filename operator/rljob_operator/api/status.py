@@ -224,6 +224,12 @@ class RLJobStatus(StatusModel):
         description="The job's token Secret, once the operator created it (an existing Secret "
         "of that name that it did not create is never used: its value would reach the pods).",
     )
+    token_secret_served: str | None = Field(
+        None,
+        max_length=253,
+        description="The token Secret pods have run with; once they are all gone, the next pods "
+        "get a fresh token in a new Secret (<job>-token-2, -3, ...).",
+    )
     token_secret_tls: bool | None = Field(
         None,
         alias="tokenSecretTLS",

@@ -18,6 +18,8 @@ from rljob_operator.builders import (
     build_children,
     covers,
     gang_flavour,
+    next_secret_name,
+    secret_name,
 )
 from rljob_operator.reconcile.shared import (
     EventSpec,
@@ -64,6 +66,7 @@ def _desired_children(
     work: _Pass,
     control: Control,
     policy: Policy,
+    observed_pods: tuple[dict[str, Any], ...] = (),
 ) -> list[dict[str, Any]]:
     """Every child the spec asks for this pass (pods resume from ``status.resumeFrom``)."""
     return build_children(
@@ -77,7 +80,26 @@ def _desired_children(
         worker_env=policy.worker_env,
         metrics_from=policy.metrics_from,
         tls=data_plane_tls(work.status, policy),
+        token_secret=token_secret(work, ref, observed_pods, job.spec.suspend),
     )
+
+
+def token_secret(
+    work: _Pass, ref: JobRef, pods: tuple[dict[str, Any], ...], suspended: bool
+) -> str:
+    """The token Secret this pass's pods read. Once pods have run with a token
+    (``status.tokenSecretServed``) and every pod of the job is gone (a resume after suspend, a
+    restart of every role), the pods that start again get a fresh token in a new Secret
+    (``<job>-token-2``, ``-3``...): a token seen by earlier pods (their logs, a core dump) opens
+    nothing of the new run. While a pod runs the token stays: they all share it."""
+    current = str(work.status.get("tokenSecret") or secret_name(ref))
+    if pods:
+        if work.status.get("tokenSecret"):
+            work.status["tokenSecretServed"] = current
+        return current
+    if work.status.get("tokenSecretServed") == current and not suspended:
+        return next_secret_name(ref, current)
+    return current
 
 
 def data_plane_tls(status: dict[str, Any], policy: Policy) -> bool:

@@ -110,7 +110,7 @@ def reconcile(observed: Observed, *, now: float, policy: Policy | None = None) -
     control = _degrade(work, spec, progress, old, now)
     _elastic(work, spec, topology, live, old, now, policy, observed.job, observed.pods)
 
-    desired = _desired_children(job, ref, topology, work, control, policy)
+    desired = _desired_children(job, ref, topology, work, control, policy, observed.pods)
     if gate is not None:
         _place_admitted(desired, gate)
     to_apply = _sync_children(work, desired, observed, spec, topology)
