@@ -581,9 +581,12 @@ def _keep_certificate(kube: Kube, server: WebhookServer, settings: WebhookSettin
                 if certs.ca not in published:  # the CRD manager has not published it yet
                     log.info("new webhook certificate waits until the CRD trusts its CA")
                     continue
-                # the old certificate's CA is still in the bundle: serve it until the API server
-                # has surely picked up the new bundle
-                time.sleep(settings.swap_grace_seconds)
+                if server.serving.ca in published:
+                    # the old certificate's CA is still in the bundle: serve it until the API
+                    # server has surely picked up the new bundle
+                    time.sleep(settings.swap_grace_seconds)
+                # else nothing trusts the one served any more (several rotations before the CRD
+                # manager caught up): the new one at once
                 server.use(certs)
                 log.info("webhook now serves the certificate valid until %s", certs.not_after())
         except Exception:  # keep serving with what we have; try again next round
