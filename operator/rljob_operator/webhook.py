@@ -567,12 +567,23 @@ def start_webhook(kube: Kube, settings: WebhookSettings) -> WebhookServer:
     return server
 
 
+def _stored(kube: Kube, settings: WebhookSettings) -> Certificates | None:
+    """The certificates in the Secret as they are (never issued here)."""
+    secret = kube.get("v1", "Secret", settings.secret_namespace, settings.secret_name)
+    return Certificates.from_secret(secret) if secret else None
+
+
 def _keep_certificate(kube: Kube, server: WebhookServer, settings: WebhookSettings) -> None:
     service, url = client_config(settings.service, settings.url_host, settings.port)
     while True:
         time.sleep(settings.check_seconds)
         try:
-            certs = _certificate(kube, settings)
+            certs = _stored(kube, settings)
+            if certs is None or settings.configure_crd or certs.cert == server.serving.cert:
+                certs = _certificate(kube, settings)  # issued or rotated when due
+            # else (the CRD managed apart) a rotation waits until the last one is served: the
+            # manager publishes the stored CA and the one before, and the one served must be
+            # among them
             published = published_bundle(kube)
             if settings.configure_crd and published != certs.bundle:
                 ensure_crd(kube, service, url, certs.bundle, schema=False)
@@ -606,8 +617,7 @@ def run_crd_manager(
     schema_due, migration_due = settings.manage_crd, settings.migrate
     while True:
         try:
-            secret = kube.get("v1", "Secret", settings.secret_namespace, settings.secret_name)
-            certs = Certificates.from_secret(secret) if secret else None
+            certs = _stored(kube, settings)
             if certs is None:
                 log.info(
                     "waiting for the webhook certificate in Secret %s/%s",
