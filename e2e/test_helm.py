@@ -149,10 +149,17 @@ def operator_as(
     deleting their namespaces' RLJobs first so kopf's finalizers are released."""
     started: list[tuple[OperatorProcess, list[str]]] = []
     yield started
+    stop_operators(cluster, started)
+
+
+def stop_operators(cluster: LocalCluster, started: list[tuple[OperatorProcess, list[str]]]) -> None:
+    """Delete the RLJobs of each started operator's namespaces (its finalizers released), then
+    stop it."""
     for proc, namespaces in started:
         for ns in namespaces:
             cluster.kubectl("delete", "rljobs", "--all", "-n", ns, "--timeout=60s", check=False)
         proc.kill(signal.SIGTERM)
+    started.clear()
 
 
 def start_operator_as(
@@ -417,11 +424,7 @@ def test_namespace_scope_operator_reconciles_only_its_namespace(
         out = cluster.kubectl("auth", "can-i", "list", "rljobs", "-A", token=token, check=False)
         assert out.stdout.strip() == "no"
     finally:
-        for proc, namespaces in operator_as:
-            for ns in namespaces:
-                cluster.kubectl("delete", "rljobs", "--all", "-n", ns, "--timeout=60s", check=False)
-            proc.kill(signal.SIGTERM)
-        operator_as.clear()
+        stop_operators(cluster, operator_as)
         uninstall(cluster, rel)
 
 
@@ -483,11 +486,7 @@ def test_crd_manager_mode_takes_the_crd_right_from_the_operator(
         wait_running(cluster, namespace, "grpo-colocated", 2)
         assert_no_permission_errors(proc)
     finally:
-        for proc, namespaces in operator_as:
-            for ns in namespaces:
-                cluster.kubectl("delete", "rljobs", "--all", "-n", ns, "--timeout=60s", check=False)
-            proc.kill(signal.SIGTERM)
-        operator_as.clear()
+        stop_operators(cluster, operator_as)
         uninstall(cluster, rel)
 
 

@@ -69,18 +69,15 @@ def apply_plan(
         refused += [o for o in outcomes if o is not None]
     if plan.status_patch is not None:  # only on the job as observed (409 otherwise: no Events)
         try:
-            kube.merge_patch(
-                f"{GROUP}/{VERSION}",
-                "RLJob",
-                meta["namespace"],
-                meta["name"],
+            _patch_status(
+                kube,
+                job,
                 {
                     "metadata": {"resourceVersion": meta["resourceVersion"]},
                     "status": plan.status_patch,
                 }
                 if meta.get("resourceVersion")
                 else {"status": plan.status_patch},
-                subresource="status",
             )
         except ApiException as exc:
             if exc.status not in STATUS_REFUSED:
@@ -239,14 +236,7 @@ def _create_token(kube: Kube, job: dict[str, Any], obj: dict[str, Any]) -> None:
 def _record_token(kube: Kube, job: dict[str, Any], name: str, *, tls: bool) -> None:
     meta = job["metadata"]
     record = {"tokenSecret": name, "tokenSecretTLS": tls}
-    written = kube.merge_patch(
-        f"{GROUP}/{VERSION}",
-        "RLJob",
-        meta["namespace"],
-        meta["name"],
-        {"status": record},
-        subresource="status",
-    )
+    written = _patch_status(kube, job, {"status": record})
     job.setdefault("status", {}).update(record)
     version = ((written or {}).get("metadata") or {}).get("resourceVersion")
     if version and meta.get("resourceVersion"):  # the pass's status write follows this one
@@ -310,14 +300,7 @@ def status_refused(kube: Kube, job: dict[str, Any], exc: ApiException) -> None:
         "observedGeneration": int(meta.get("generation", 1)),
     }
     try:
-        kube.merge_patch(
-            f"{GROUP}/{VERSION}",
-            "RLJob",
-            meta["namespace"],
-            meta["name"],
-            {"status": {"conditions": [*kept, condition]}},
-            subresource="status",
-        )
+        _patch_status(kube, job, {"status": {"conditions": [*kept, condition]}})
     except ApiException as again:
         log.warning(
             "%s/%s: the StatusRejected condition was refused too: %s",
@@ -325,6 +308,14 @@ def status_refused(kube: Kube, job: dict[str, Any], exc: ApiException) -> None:
             meta["name"],
             again.reason,
         )
+
+
+def _patch_status(kube: Kube, job: dict[str, Any], body: dict[str, Any]) -> Any:
+    """A merge patch of the job's status subresource; the job as written."""
+    meta = job["metadata"]
+    return kube.merge_patch(
+        f"{GROUP}/{VERSION}", "RLJob", meta["namespace"], meta["name"], body, subresource="status"
+    )
 
 
 def _api_message(exc: ApiException) -> str:
