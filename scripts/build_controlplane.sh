@@ -161,8 +161,41 @@ build_go_jobset() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
+build_go_celcost() {
+  # tools/celcost: reports the kube-apiserver's static CEL cost estimates for a CRD's
+  # x-kubernetes-validations rules (it links the apiserver's own validation code). Keyed by the tool's
+  # sources and the Go toolchain, so an edited tool rebuilds; prints the binary's path on stdout.
+  # Only e2e/celcost.py asks for it (tests/operator/test_cel_cost.py, bench); set-up never builds it.
+  local src="$here/../tools/celcost"
+  local pinned
+  pinned=$(awk '$1 == "k8s.io/apiextensions-apiserver" {print $2}' "$src/go.mod")
+  if [ "$pinned" != "$staging_version" ]; then
+    echo "tools/celcost/go.mod requires k8s.io/apiextensions-apiserver $pinned, but K8S_VERSION=$K8S_VERSION" \
+      "needs $staging_version: update the k8s.io requirements there (go get ...@$staging_version && go mod tidy)" >&2
+    return 1
+  fi
+  local key
+  key=$( (cd "$src" && find . -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) | LC_ALL=C sort |
+    xargs sha256sum; go version) | sha256sum | cut -c1-16)
+  local out="$CACHE/bin/celcost-$key"
+  if [ ! -x "$out/celcost" ]; then
+    # a folder per build process, so two test runs building at once do not trip over each other
+    local tmp="$out.tmp.$$"
+    rm -rf "$tmp" && mkdir -p "$tmp"
+    # -mod=readonly: the committed go.sum is the truth; the build never rewrites files in the repo
+    GOFLAGS="-mod=readonly -buildvcs=false" go build -C "$src" -trimpath -ldflags "-s -w" -o "$tmp/celcost" . >&2
+    mv -T "$tmp" "$out" 2>/dev/null || rm -rf "$tmp"  # another process finished first: keep its build
+  fi
+  echo "$out/celcost"
+}
+
 if [ "${1:-}" = jobset ]; then
   step "jobset $JOBSET_VERSION (controller manager + CRD)" build_go_jobset
+  exit 0
+fi
+if [ "${1:-}" = celcost ]; then
+  # no step(): its log would swallow the path this prints; the build's own output goes to stderr
+  build_go_celcost
   exit 0
 fi
 
