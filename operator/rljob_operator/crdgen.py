@@ -138,6 +138,21 @@ def _version(version: str) -> dict[str, Any]:
     }
 
 
+GENERATED_SUFFIX = 5
+"""Characters the API server appends to metadata.generateName."""
+
+METADATA_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": api.NAME_MAX},
+        "generateName": {"type": "string", "maxLength": api.NAME_MAX - GENERATED_SUFFIX},
+    },
+}
+"""The only metadata a CRD may constrain. The lengths bound the name rule's CEL cost: without
+them the API server prices its regex as if a name could fill a request (22% of the per-rule
+limit, 99% of the CRD's total; tools/celcost, tests/operator/test_cel_cost.py)."""
+
+
 def build_openapi_schema(version: str = api.VERSION) -> dict[str, Any]:
     """The structural ``openAPIV3Schema`` of an RLJob in ``version`` (raises if it is not
     structural)."""
@@ -151,7 +166,7 @@ def build_openapi_schema(version: str = api.VERSION) -> dict[str, Any]:
                 "description": f"APIVersion of this object: {api.GROUP}/{version}.",
             },
             "kind": {"type": "string", "description": "Kind of this object: RLJob."},
-            "metadata": {"type": "object"},
+            "metadata": METADATA_SCHEMA,
             "spec": model_schema(api.SPEC_MODELS[version], keep_defaults=True),
             "status": model_schema(api.RLJobStatus, keep_defaults=False),
         },
@@ -315,8 +330,8 @@ def _object_errors(schema: Mapping[str, Any], path: str) -> list[str]:
     for name, sub in props.items():
         sub_path = f"{path}.{name}" if path else name
         if sub_path == "metadata":
-            if set(sub) != {"type"} or sub["type"] != "object":
-                errors.append("metadata: must be just {type: object}")
+            if sub != METADATA_SCHEMA:
+                errors.append("metadata: must be METADATA_SCHEMA (type object, name lengths)")
             continue
         if not sub.get("description"):
             errors.append(f"{sub_path}: missing description")
