@@ -197,27 +197,34 @@ def rljob_object(ns: str, name: str, rollouts: int, trainers: int) -> dict[str, 
     return raw
 
 
-def job_object(ns: str, spec: dict[str, Any]) -> dict[str, Any]:
+def job_object(ns: str, spec: dict[str, Any], pods: int = PODS) -> dict[str, Any]:
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": "big", "namespace": ns},
         "spec": {
             "completionMode": "Indexed",
-            "completions": PODS,
-            "parallelism": PODS,
+            "completions": pods,
+            "parallelism": pods,
             "template": {"metadata": {"labels": {"bench": "job"}}, "spec": spec},
         },
     }
 
 
-def jobset_object(ns: str, spec: dict[str, Any]) -> dict[str, Any]:
-    job = job_object(ns, spec)["spec"]
+def jobset_object(
+    ns: str, spec: dict[str, Any], jobs: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """A JobSet with one replicated job per ``jobs`` entry (name → pods; default one of 64)."""
     return {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
         "metadata": {"name": "big", "namespace": ns},
-        "spec": {"replicatedJobs": [{"name": "w", "replicas": 1, "template": {"spec": job}}]},
+        "spec": {
+            "replicatedJobs": [
+                {"name": name, "replicas": 1, "template": {"spec": job_object(ns, spec, n)["spec"]}}
+                for name, n in (jobs or {"w": PODS}).items()
+            ]
+        },
     }
 
 
@@ -454,7 +461,32 @@ def _jobset_version() -> str:
 # ------------------------------------------------------------------ part 2: scale
 
 
+def scale_objects(system: str, ns: str, jobs: int, per_job: int) -> list[dict[str, Any]]:
+    """The same ``jobs`` × ``per_job`` pods as RLJobs (rollouts + a fifth trainers), Indexed
+    Jobs of ``per_job`` pods, or JobSets of a rollout and a trainer job, all with one pod spec."""
+    trainers = max(1, per_job // 5)
+    if system == "rljob":
+        return [rljob_object(ns, f"job-{i:03d}", per_job - trainers, trainers) for i in range(jobs)]
+    pod = rljob_pod_spec()
+    out = []
+    for i in range(jobs):
+        if system == "job":
+            obj = job_object(ns, pod, per_job)
+        else:
+            obj = jobset_object(ns, pod, {"rollout": per_job - trainers, "trainer": trainers})
+        obj["metadata"]["name"] = f"job-{i:03d}"
+        out.append(obj)
+    return out
+
+
+SCALE_CONTROLLER = {"rljob": "operator", "job": "kube-controller-manager", "jobset": "jobset"}
+
+
 def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    systems = list(args.systems)
+    why_no_jobset = ensure_jobset() if "jobset" in systems else None
+    if why_no_jobset is not None:
+        systems.remove("jobset")
     cluster = LocalCluster(
         tmp / "scale",
         gpu_nodes=args.nodes,
@@ -462,100 +494,155 @@ def scale(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         tie_to_parent=True,
         controller_qps=args.controller_qps,
         node_grace_seconds=600,
+        jobset="jobset" in systems,
     )
-    say(f"scale: control plane with {args.nodes} fake GPU nodes (12 GPUs each)")
+    say(f"scale: control plane with {args.nodes} fake GPU nodes (12 GPUs each); {systems}")
     result: dict[str, Any] = {
         "nodes": args.nodes,
         "jobs": args.jobs,
         "pods_per_job": args.pods_per_job,
+        "order": systems,
+        "jobset": f"sigs.k8s.io/jobset {_jobset_version()}"
+        if why_no_jobset is None
+        else why_no_jobset,
+        "systems": {},
     }
-    log = tmp / "operator-scale.log"
-    with operated_cluster(cluster, log, timeout=900, progress=say) as (op, kube):
-        assert op.proc is not None
-        pid = op.proc.pid
-        ns = "scale"
-        fresh_namespace(cluster, kube, ns)
-        pods_total = args.jobs * args.pods_per_job
-        trainers = max(1, args.pods_per_job // 5)
-        docs = [
-            rljob_object(ns, f"job-{i:03d}", args.pods_per_job - trainers, trainers)
-            for i in range(args.jobs)
-        ]
-        pods = Watch(kube, resource_path("v1", "Pod", ns), {"running": pod_running}, "running")
-        jobs = Watch(
+    with operated_cluster(cluster, tmp / "operator-scale.log", timeout=900, progress=say) as (
+        op,
+        kube,
+    ):
+        say(f"baseline: {args.quiet:.0f}s of API traffic before any job (kwok heartbeats ...)")
+        base0 = api_counters(cluster)["requests"]
+        time.sleep(args.quiet)
+        result["api_requests_per_s_baseline"] = (
+            api_counters(cluster)["requests"] - base0
+        ) / args.quiet
+        for system in systems:
+            result["systems"][system] = scale_one(cluster, kube, op, system, args)
+            (RESULTS / f"{args.name}.partial.json").write_text(json.dumps(result, indent=1))
+            say(f"{system}: deleting its namespace (waiting until it is gone)")
+            drop_namespace(kube, f"scale-{system}", timeout=1800)
+    done = {s: r for s, r in result["systems"].items() if r["all_pods_running_s"] is not None}
+    if done:
+        best = min(done, key=lambda s: done[s]["all_pods_running_s"])
+        result["best"] = best
+        for r in done.values():
+            r["ratio_to_best"] = r["all_pods_running_s"] / done[best]["all_pods_running_s"]
+    return result
+
+
+def scale_one(
+    cluster: LocalCluster, kube: Kube, op: OperatorProcess, system: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One system's ramp to ``--jobs`` × ``--pods-per-job`` pods Running, and (for the RLJob) the
+    operator's steady state after it."""
+    ns = f"scale-{system}"
+    fresh_namespace(cluster, kube, ns)
+    pods_total = args.jobs * args.pods_per_job
+    docs = scale_objects(system, ns, args.jobs, args.pods_per_job)
+    pid = (
+        op.proc.pid
+        if system == "rljob" and op.proc
+        else cluster.running_pids()[SCALE_CONTROLLER[system]]
+    )
+    pods = Watch(kube, resource_path("v1", "Pod", ns), {"running": pod_running}, "running")
+    jobs = (
+        Watch(
             kube,
             resource_path("rljob.io/v1beta1", "RLJob", ns),
             {"running": job_running},
             "running",
         )
-        say(f"baseline: {args.quiet:.0f}s of API traffic before any job (kwok heartbeats ...)")
-        base0 = api_counters(cluster)["requests"]
-        time.sleep(args.quiet)
-        api0, loads = api_counters(cluster)["requests"], [load()]
-        baseline_rps = (api0 - base0) / args.quiet
-        start = time.monotonic()
-        for i, doc in enumerate(docs):
-            create(kube, doc)
-            if (i + 1) % 100 == 0:
-                say(f"created {i + 1}/{args.jobs} RLJobs")
-        created_s = time.monotonic() - start
-        next_report, reached = start, True
-        while pods.count("running") < pods_total or jobs.count("running") < args.jobs:
-            now = time.monotonic()
-            if now - start > args.timeout:
-                reached = False
-                break
-            if now >= next_report:
-                loads.append(load())
-                say(
-                    f"{now - start:5.0f}s: pods Running {pods.count('running')}/{pods_total}, "
-                    f"jobs Running {jobs.count('running')}/{args.jobs}, operator RSS "
-                    f"{rss_mib(pid):.0f} MiB, load {loads[-1]:.1f}"
-                )
-                next_report = now + 15
-            time.sleep(0.5)
-        ramp_s = time.monotonic() - start
-        api1 = api_counters(cluster)["requests"]
-        if args.settle:  # let the ramp's tail (each job's last status writes) pass first
-            say(f"ramp over after {ramp_s:.0f}s (reached: {reached}); settling {args.settle:.0f}s")
-            time.sleep(args.settle)
-        metrics_end_ramp = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
-        say(f"quiet window {args.quiet:.0f}s")
-        cpu0, api_q0 = cpu_seconds(pid), api_counters(cluster)["requests"]
-        time.sleep(args.quiet)
-        cpu1, api_q1 = cpu_seconds(pid), api_counters(cluster)["requests"]
-        metrics_end = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
-        quiet = histogram_delta(metrics_end, metrics_end_ramp)
-        pods.close()
-        jobs.close()
-        running_pod_times = sorted(pods.met["running"].values())
-        result |= {
-            "reached_all_running": reached,
-            "pods_running": pods.count("running"),
-            "jobs_running": jobs.count("running"),
-            "create_500_objects_s": created_s,
-            "all_pods_running_s": (running_pod_times[-1] - start) if reached else None,
-            "all_jobs_running_s": (max(jobs.met["running"].values()) - start) if reached else None,
-            "ramp_s": ramp_s,
-            "operator_peak_rss_mib": peak_rss_mib(pid),
-            "operator_rss_end_mib": rss_mib(pid),
-            "quiet_window_s": args.quiet,
-            "settle_s": args.settle,
-            "operator_cpu_cores_quiet": (cpu1 - cpu0) / args.quiet,
-            "reconcile_passes": metrics_end["count"],
-            "reconcile_p50_s": quantile(metrics_end, 0.5),
-            "reconcile_p99_s": quantile(metrics_end, 0.99),
-            "reconcile_mean_s": metrics_end["sum"] / max(metrics_end["count"], 1),
-            "reconcile_passes_quiet": quiet["count"],
-            "api_requests_per_s_baseline": baseline_rps,
-            "api_requests_per_s_ramp": (api1 - api0) / ramp_s,
-            "api_requests_per_s_quiet": (api_q1 - api_q0) / args.quiet,
-            "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
-            "pods_timeline": downsample([(t - start, n) for t, n in pods.timeline]),
-            "pods_created_timeline": downsample([(t - start, n) for t, n in pods.seen_timeline]),
-            "jobs_timeline": downsample([(t - start, n) for t, n in jobs.timeline]),
-        }
-    return result
+        if system == "rljob"
+        else None
+    )
+    api0, loads, cpu0, rss0 = (
+        api_counters(cluster)["requests"],
+        [load()],
+        cpu_seconds(pid),
+        rss_mib(pid),
+    )
+    hist0 = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+    start = time.monotonic()
+    for i, doc in enumerate(docs):
+        create(kube, doc)
+        if (i + 1) % 100 == 0:
+            say(f"{system}: created {i + 1}/{args.jobs}")
+    created_s = time.monotonic() - start
+
+    def finished() -> bool:
+        return pods.count("running") >= pods_total and (
+            jobs is None or jobs.count("running") >= args.jobs
+        )
+
+    next_report, reached = start, True
+    while not finished():
+        now = time.monotonic()
+        if now - start > args.timeout:
+            reached = False
+            break
+        if now >= next_report:
+            loads.append(load())
+            say(
+                f"{system} {now - start:5.0f}s: pods Running {pods.count('running')}/{pods_total}"
+                + (f", RLJobs Running {jobs.count('running')}/{args.jobs}" if jobs else "")
+                + f", {SCALE_CONTROLLER[system]} RSS {rss_mib(pid):.0f} MiB, load {loads[-1]:.1f}"
+            )
+            next_report = now + 15
+        time.sleep(0.5)
+    ramp_s = time.monotonic() - start
+    api1, cpu1 = api_counters(cluster)["requests"], cpu_seconds(pid)
+    running_pod_times = sorted(pods.met["running"].values())
+    out: dict[str, Any] = {
+        "system": system,
+        "controller": SCALE_CONTROLLER[system],
+        "reached_all_running": reached,
+        "pods_running": pods.count("running"),
+        "create_objects_s": created_s,
+        "all_pods_running_s": (running_pod_times[-1] - start) if reached else None,
+        "ramp_s": ramp_s,
+        "controller_cpu_s_ramp": cpu1 - cpu0,
+        "controller_rss_before_mib": rss0,
+        "controller_rss_end_mib": rss_mib(pid),
+        "controller_peak_rss_mib": peak_rss_mib(pid),
+        "api_requests_ramp": api1 - api0,
+        "api_requests_per_pod": (api1 - api0) / max(pods_total, 1),
+        "api_requests_per_s_ramp": (api1 - api0) / ramp_s,
+        "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+        "pods_timeline": downsample([(t - start, n) for t, n in pods.timeline]),
+        "pods_created_timeline": downsample([(t - start, n) for t, n in pods.seen_timeline]),
+    }
+    pods.close()
+    if jobs is None:
+        return out
+    jobs.close()
+    out["all_jobs_running_s"] = (max(jobs.met["running"].values()) - start) if reached else None
+    out["jobs_timeline"] = downsample([(t - start, n) for t, n in jobs.timeline])
+    if args.settle:  # let the ramp's tail (each job's last status writes) pass first
+        say(f"ramp over after {ramp_s:.0f}s (reached: {reached}); settling {args.settle:.0f}s")
+        time.sleep(args.settle)
+    metrics_end_ramp = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+    say(f"quiet window {args.quiet:.0f}s")
+    cpu_q0, api_q0 = cpu_seconds(pid), api_counters(cluster)["requests"]
+    time.sleep(args.quiet)
+    cpu_q1, api_q1 = cpu_seconds(pid), api_counters(cluster)["requests"]
+    metrics_end = histogram_delta(
+        histogram(op.metrics(), "rljob_reconcile_duration_seconds"), hist0
+    )
+    quiet = histogram_delta(
+        histogram(op.metrics(), "rljob_reconcile_duration_seconds"), metrics_end_ramp
+    )
+    return out | {
+        "quiet_window_s": args.quiet,
+        "settle_s": args.settle,
+        "operator_cpu_cores_quiet": (cpu_q1 - cpu_q0) / args.quiet,
+        "reconcile_passes": metrics_end["count"],
+        "reconcile_p50_s": quantile(metrics_end, 0.5),
+        "reconcile_p99_s": quantile(metrics_end, 0.99),
+        "reconcile_mean_s": metrics_end["sum"] / max(metrics_end["count"], 1),
+        "reconcile_passes_quiet": quiet["count"],
+        "api_requests_per_s_quiet": (api_q1 - api_q0) / args.quiet,
+    }
 
 
 def downsample(points: list[tuple[float, int]], step: float = 1.0) -> list[tuple[float, int]]:
@@ -587,28 +674,29 @@ def plot_compare(part: dict[str, Any], path: Path) -> None:
 
 
 def plot_scale(part: dict[str, Any], path: Path) -> None:
-    with figure(path, figsize=(7, 4), dpi=110) as (_, ax):
-        xs = [0.0] + [t for t, _ in part["pods_timeline"]]
-        ys = [0] + [n for _, n in part["pods_timeline"]]
-        created = part.get("pods_created_timeline", [])
-        ax.plot(
-            [0.0] + [t for t, _ in created], [0] + [n for _, n in created], label="pods created"
-        )
-        ax.plot(xs, ys, label="pods Running")
-        jobs = part["jobs_timeline"]
-        per_job = part["pods_per_job"]
-        ax.plot(
-            [0.0] + [t for t, _ in jobs],
-            [0] + [n * per_job for _, n in jobs],
-            label=f"RLJobs Running × {per_job}",
-        )
+    """The ramp of each system (pods created and Running) on one set of axes."""
+    with figure(path, figsize=(8, 4.5), dpi=110) as (_, ax):
+        for i, (system, run) in enumerate(part["systems"].items()):
+            color = f"C{i}"
+            for key, style, what in (
+                ("pods_created_timeline", ":", "created"),
+                ("pods_timeline", "-", "Running"),
+            ):
+                points = run.get(key, [])
+                ax.plot(
+                    [0.0] + [t for t, _ in points],
+                    [0] + [n for _, n in points],
+                    style,
+                    color=color,
+                    label=f"{system}: pods {what}",
+                )
         ax.set_xlabel("seconds since the first create")
-        ax.set_ylabel("count")
+        ax.set_ylabel("pods")
         ax.set_title(
-            f"{part['jobs']} RLJobs × {per_job} pods on {part['nodes']} fake GPU nodes "
-            f"(load {part['load_1min']['median']:.0f} on 2 cores)"
+            f"{part['jobs']} objects × {part['pods_per_job']} pods on {part['nodes']} fake GPU "
+            f"nodes, one system after another"
         )
-        ax.legend()
+        ax.legend(fontsize=8)
 
 
 def print_compare(part: dict[str, Any]) -> None:
@@ -628,22 +716,28 @@ def print_scale(part: dict[str, Any]) -> None:
     def fmt(v: Any, unit: str = "s", digits: int = 1) -> str:
         return "—" if v is None else f"{v:.{digits}f} {unit}".strip()
 
-    rows = [
-        ("pods Running", f"{part['pods_running']}/{part['jobs'] * part['pods_per_job']}"),
-        ("time to all pods Running", fmt(part["all_pods_running_s"])),
-        ("time to all RLJobs Running", fmt(part["all_jobs_running_s"])),
-        ("operator peak RSS", fmt(part["operator_peak_rss_mib"], "MiB", 0)),
-        ("operator CPU, quiet window", fmt(part["operator_cpu_cores_quiet"], "cores", 4)),
-        ("reconcile p50 / p99", f"{fmt(part['reconcile_p50_s'], 's', 3)} / "
-         f"{fmt(part['reconcile_p99_s'], 's', 3)} ({part['reconcile_passes']:.0f} passes)"),
-        ("API requests/s: before any job / ramp / quiet",
-         f"{part['api_requests_per_s_baseline']:.1f} / {part['api_requests_per_s_ramp']:.0f} / "
-         f"{part['api_requests_per_s_quiet']:.1f}"),
-    ]  # fmt: skip
-    print("| scale measurement | value |")
-    print("|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    print(f"JobSet: {part['jobset']}; API requests/s before any job: "
+          f"{part['api_requests_per_s_baseline']:.0f}")  # fmt: skip
+    print("| system | create 500 objects | all pods Running | ratio to best | controller "
+          "| its CPU in the ramp | its RSS before → end (peak) | API requests/pod |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for system, r in part["systems"].items():
+        print(
+            f"| {system} | {fmt(r['create_objects_s'])} | {fmt(r['all_pods_running_s'])} "
+            f"| {fmt(r.get('ratio_to_best'), '', 2)} | {r['controller']} "
+            f"| {fmt(r['controller_cpu_s_ramp'])} | {r['controller_rss_before_mib']:.0f} → "
+            f"{r['controller_rss_end_mib']:.0f} ({r['controller_peak_rss_mib']:.0f}) MiB "
+            f"| {r['api_requests_per_pod']:.1f} |"
+        )
+    rl = part["systems"].get("rljob")
+    if rl and "reconcile_p50_s" in rl:
+        print(
+            f"RLJob: all Running {fmt(rl['all_jobs_running_s'])}; reconcile p50 / p99 "
+            f"{fmt(rl['reconcile_p50_s'], 's', 3)} / {fmt(rl['reconcile_p99_s'], 's', 3)} "
+            f"({rl['reconcile_passes']:.0f} passes); quiet: operator "
+            f"{rl['operator_cpu_cores_quiet']:.4f} cores, "
+            f"API {rl['api_requests_per_s_quiet']:.1f}/s"
+        )
 
 
 def main() -> int:
@@ -665,6 +759,13 @@ def main() -> int:
         help="kube-controller-manager/scheduler client QPS (default: theirs, 20 and 50)",
     )
     parser.add_argument("--name", default="controllers", help="results file stem")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="scale: the systems, run one after another on one cluster",
+    )
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     out_path = RESULTS / f"{args.name}.json"

@@ -171,6 +171,8 @@ class LocalCluster:
     jobset: bool = False
     controller_qps: int | None = None
     node_grace_seconds: int = 40
+    apiserver_profiling: bool = False
+    """Serve kube-apiserver's /debug/pprof (bench.ramp profiles it); off by default."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -582,7 +584,7 @@ current-context: rljob-local
             "OwnerReferencesPermissionEnforcement",
             *([] if self.real_node else ["--endpoint-reconciler-type=none"]),
             "--allow-privileged=true",
-            "--profiling=false",
+            f"--profiling={'true' if self.apiserver_profiling else 'false'}",
             "--enable-priority-and-fairness=false",
             "--event-ttl=30m",
             "--v=1",

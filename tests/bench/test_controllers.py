@@ -21,6 +21,7 @@ from bench.controllers import (
     jobset_object,
     quantile,
     rljob_pod_spec,
+    scale_objects,
 )
 from e2e.jobset import webhook_configurations
 
@@ -86,3 +87,25 @@ def test_jobset_webhooks_match_only_jobset_pods_on_loopback() -> None:
         if hook["rules"][0]["resources"] == ["pods"]:
             key = hook["objectSelector"]["matchExpressions"][0]["key"]
             assert key == "jobset.sigs.k8s.io/jobset-name"
+
+
+@pytest.mark.parametrize("system", ["rljob", "job", "jobset"])
+def test_scale_objects_make_the_same_pods_in_each_system(system: str) -> None:
+    docs = scale_objects(system, "ns", jobs=3, per_job=20)
+    assert [d["metadata"]["name"] for d in docs] == ["job-000", "job-001", "job-002"]
+    assert all(d["metadata"]["namespace"] == "ns" for d in docs)
+    doc = docs[0]
+    if system == "rljob":
+        spec = doc["spec"]
+        assert spec["rollout"]["replicas"] + spec["trainer"]["replicas"] == 20
+        assert spec["trainer"]["replicas"] == 4
+        return
+    jobs = (
+        [doc["spec"]]
+        if system == "job"
+        else [r["template"]["spec"] for r in doc["spec"]["replicatedJobs"]]
+    )
+    assert sum(j["parallelism"] for j in jobs) == 20
+    if system == "jobset":  # a rollout job and a trainer job, as the RLJob has
+        assert [j["parallelism"] for j in jobs] == [16, 4]
+    assert all(j["template"]["spec"] == rljob_pod_spec() for j in jobs)
