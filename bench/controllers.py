@@ -718,7 +718,8 @@ def print_scale(part: dict[str, Any]) -> None:
 
     print(f"JobSet: {part['jobset']}; API requests/s before any job: "
           f"{part['api_requests_per_s_baseline']:.0f}")  # fmt: skip
-    print("| system | create 500 objects | all pods Running | ratio to best | controller "
+    print(f"| system | create {part['jobs']} objects | all pods Running | ratio to best "
+          "| controller "
           "| its CPU in the ramp | its RSS before → end (peak) | API requests/pod |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for system, r in part["systems"].items():
