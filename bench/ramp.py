@@ -245,6 +245,19 @@ def pprof_top(path: Path, n: int = 25) -> list[str] | str:
     return done.stdout.splitlines()[: n + 6] if done.returncode == 0 else done.stderr[-400:]
 
 
+def snapshot(cluster: LocalCluster, op: OperatorProcess) -> dict[str, Any]:
+    """The counters a ramp is the difference of: API requests and server seconds by verb and
+    resource, CPU seconds per component and of the operator, the operator's pass histogram."""
+    assert op.proc is not None
+    return {
+        "requests": request_counts(cluster),
+        "server_s": request_counts(cluster, SERVER_SECONDS),
+        "cpu": control_plane_cpu(cluster),
+        "operator_cpu": cpu_seconds(op.proc.pid),
+        "reconcile": histogram(op.metrics(), "rljob_reconcile_duration_seconds"),
+    }
+
+
 def run_arm(
     cluster: LocalCluster, kube: Kube, arm: str, args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
@@ -279,13 +292,7 @@ def run_arm(
     )
     profile_dir = tmp / f"profile-{ns}"
     profile_dir.mkdir()
-    secs0 = request_counts(cluster, SERVER_SECONDS)
-    req0, cpu0, op_cpu0 = (
-        request_counts(cluster),
-        control_plane_cpu(cluster),
-        cpu_seconds(op.proc.pid),
-    )
-    hist0 = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+    before = snapshot(cluster, op)
     profiler = Profiler(cluster, op.proc.pid, profile_dir, delay=30) if args.profile else None
     start = time.monotonic()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
@@ -309,13 +316,12 @@ def run_arm(
             next_report = now + 15
         time.sleep(0.5)
     ramp_s = time.monotonic() - start
-    secs1 = request_counts(cluster, SERVER_SECONDS)
-    req1, cpu1, op_cpu1 = (
-        request_counts(cluster),
-        control_plane_cpu(cluster),
-        cpu_seconds(op.proc.pid),
-    )
-    hist1 = histogram(op.metrics(), "rljob_reconcile_duration_seconds")
+    after = snapshot(cluster, op)
+    req0, req1 = before["requests"], after["requests"]
+    secs0, secs1 = before["server_s"], after["server_s"]
+    cpu0, cpu1 = before["cpu"], after["cpu"]
+    op_cpu0, op_cpu1 = before["operator_cpu"], after["operator_cpu"]
+    hist0, hist1 = before["reconcile"], after["reconcile"]
     prof = profiler.stop() if profiler else {}
     pods.close()
     jobs.close()
