@@ -816,6 +816,7 @@ def main() -> int:
             part["date"], part["uptime_after"] = started, _uptime()
             results[key] = part
             out_path.write_text(json.dumps(results, indent=2))  # saved before the next part
+            (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)  # scale's progress
             plot(part, RESULTS / f"{args.name}_{key}.png")
             show(part)
     return 0
