@@ -56,7 +56,7 @@ import yaml
 from bench.controllers import ensure_jobset, rljob_pod_spec
 from bench.operator_scale import job_manifest
 from bench.plotting import figure
-from bench.watch_cost import cpu_seconds
+from bench.ramp import control_plane_cpu
 from e2e.cluster import REPO, LocalCluster
 from e2e.jobset import API as JOBSET_API
 from rljob_operator.kube import Kube
@@ -89,7 +89,13 @@ def strip_rules(node: Any) -> int:
 
 
 def count_rules(node: Any) -> int:
-    return strip_rules(copy.deepcopy(node))
+    """How many x-kubernetes-validations rules there are under ``node``."""
+    if isinstance(node, dict):
+        own = len(node.get("x-kubernetes-validations") or [])
+        return own + sum(count_rules(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(count_rules(v) for v in node)
+    return 0
 
 
 @functools.lru_cache(maxsize=2)
@@ -212,9 +218,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def control_plane_cpu(cluster: LocalCluster) -> float:
-    pids = cluster.running_pids()
-    return sum(cpu_seconds(pids[n]) for n in ("kube-apiserver", "etcd") if n in pids)
+def storage_cpu(cluster: LocalCluster) -> float:
+    """CPU seconds so far of kube-apiserver and etcd together."""
+    return sum(control_plane_cpu(cluster, ("kube-apiserver", "etcd")).values())
 
 
 def one_round(
@@ -235,14 +241,14 @@ def one_round(
         )
         for i in range(args.dry_run)
     ]
-    cpu0 = control_plane_cpu(cluster)
+    cpu0 = storage_cpu(cluster)
     start = time.perf_counter()
     created = [
         timed(lambda i=i: kube.request("POST", path, body=make_object(variant, ns, f"c-{i}", pod)))
         for i in range(args.objects)
     ]
     create_s = time.perf_counter() - start
-    cpu1 = control_plane_cpu(cluster)
+    cpu1 = storage_cpu(cluster)
 
     def apply_some(indexes: range) -> None:
         for i in indexes:
@@ -265,7 +271,7 @@ def one_round(
     for thread in threads:
         thread.join()
     ssa_s = time.perf_counter() - start
-    cpu2 = control_plane_cpu(cluster)
+    cpu2 = storage_cpu(cluster)
     docs = "\n---\n".join(
         yaml.safe_dump(make_object(variant, ns, f"k-{i}", pod)) for i in range(args.objects)
     )

@@ -104,9 +104,14 @@ def job_requests(per_job: dict[str, float], writes_only: bool = False) -> float:
     )
 
 
-def control_plane_cpu(cluster: LocalCluster) -> dict[str, float]:
+COMPONENTS = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def control_plane_cpu(
+    cluster: LocalCluster, names: tuple[str, ...] = COMPONENTS
+) -> dict[str, float]:
+    """CPU seconds so far of each of ``names`` that runs."""
     pids = cluster.running_pids()
-    names = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok")
     return {n: cpu_seconds(pids[n]) for n in names if n in pids}
 
 
