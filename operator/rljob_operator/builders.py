@@ -22,6 +22,8 @@ from rljob_operator.api import (
     RLJob,
     RLJobSpec,
     default_sharding,
+    engines_per_replica,
+    processes_per_replica,
     resolve_advantage_estimator,
     resolve_clip_ratio_high,
     resolve_dynamic_sampling,
@@ -30,9 +32,11 @@ from rljob_operator.api import (
     resolve_sharding,
     resolve_weight_sync_method,
     responses_per_prompt,
+    tensor_parallel_size,
 )
 from rljob_workers.config import (
     CONTROL_KEY,
+    LOCAL_WORLD_SIZE_ENV,
     SCHEMA_KEY,
     SCHEMA_VERSION,
     AlgorithmConfig,
@@ -125,6 +129,20 @@ def role_replicas(spec: RLJobSpec, role: Role) -> int:
 
 def role_gpus(spec: RLJobSpec, role: Role) -> int:
     return spec.rollout.gpus_per_replica if role == "rollout" else spec.trainer.gpus_per_replica
+
+
+def processes_per_pod(spec: RLJobSpec, role: Role) -> int:
+    """Worker processes in one pod of ``role``: trainer (colocated: actor) ranks, one per GPU;
+    rollout engines, each on ``tensorParallelSize`` GPUs."""
+    if role == "rollout":
+        return engines_per_replica(spec.rollout)
+    return processes_per_replica(spec.trainer)
+
+
+def role_world_size(spec: RLJobSpec, role: Role) -> int:
+    """Processes of ``role`` over all its pods: the trainer group's world size (colocated: the
+    actors'), or the rollout engines that share out the prompts."""
+    return role_replicas(spec, role) * processes_per_pod(spec, role)
 
 
 def pod_name(job: JobRef, role: Role, index: int) -> str:
@@ -303,6 +321,12 @@ def build_worker_config(
         ),
         rollout=RolloutConfig(
             engine=spec.rollout.engine,
+            tensor_parallel_size=1
+            if topology == "colocated"
+            else tensor_parallel_size(spec.rollout),
+            engines_per_replica=1 if topology == "colocated" else engines_per_replica(spec.rollout),
+            gpu_memory_utilization=spec.rollout.gpu_memory_utilization
+            or (0.5 if topology == "colocated" else 0.9),
             sampling=SamplingConfig(
                 n=responses_per_prompt(spec),
                 max_tokens=sampling.max_tokens,
@@ -314,6 +338,7 @@ def build_worker_config(
         ),
         trainer=TrainerConfig(
             replicas=spec.trainer.replicas,
+            processes_per_replica=processes_per_replica(spec.trainer),
             gradient_compression=GradientCompressionConfig(
                 type=spec.trainer.gradient_compression.type,
                 rank=spec.trainer.gradient_compression.rank or 1,
@@ -789,6 +814,7 @@ def _container(
     token_secret: str = "",
 ) -> dict[str, Any]:
     gpus = role_gpus(spec, role)
+    local_world = processes_per_pod(spec, role)
     resources_spec = spec.rollout.resources if role == "rollout" else spec.trainer.resources
     requests = dict(resources_spec.requests) if resources_spec else {}
     limits = dict(resources_spec.limits) if resources_spec else {}
@@ -797,9 +823,13 @@ def _container(
         requests["nvidia.com/gpu"] = str(gpus)
     env = [
         {"name": "RLJOB_ROLE", "value": role},
-        {"name": "RLJOB_RANK", "value": str(index)},
+        # the rank of the pod's first process; with several, the in-pod supervisor gives each
+        # its own (RANK = index x processes + LOCAL_RANK, torchrun's numbering)
+        {"name": "RLJOB_RANK", "value": str(index * local_world)},
         {"name": "RLJOB_REPLICA", "value": str(index)},
-        {"name": "RLJOB_WORLD_SIZE", "value": str(world)},
+        {"name": "RLJOB_WORLD_SIZE", "value": str(world * local_world)},
+        {"name": LOCAL_WORLD_SIZE_ENV, "value": str(local_world)},
+        {"name": "RLJOB_GPUS", "value": str(gpus)},  # the supervisor shares them out
         {"name": "RLJOB_CONFIG", "value": f"{CONFIG_MOUNT}/config.json"},
         {"name": "MASTER_ADDR", "value": trainer_host(job, topology)},
         {"name": "MASTER_PORT", "value": str(PORTS["rendezvous"])},

@@ -35,13 +35,17 @@ from rljob_operator.api import (
     ResolvedTopology,
     RLJob,
     RLJobSpec,
+    engines_per_replica,
     is_on_policy,
+    processes_per_replica,
     resolve_advantage_estimator,
     resolve_sharding,
     resolve_topology,
     responses_per_prompt,
+    tensor_parallel_size,
 )
 from rljob_operator.builders import JobRef, build_children, role_gpus
+from rljob_workers.config import tensor_parallel_problem
 
 DEFAULT_HEADROOM = 0.15
 DEFAULT_PROMPT_TOKENS = 64
@@ -149,14 +153,9 @@ def fit_verdict(spec: RLJobSpec, topology: ResolvedTopology) -> tuple[bool, str]
 
 # ------------------------------------------------------------------------------ memory
 
-RANKS_PER_POD = 1
-"""Trainer processes (ranks) per trainer or actor pod. One today, and it uses one GPU whatever the
-pod's ``gpusPerReplica``; a later release runs one process per GPU. Every estimate below is per
-rank, i.e. per GPU: a pod's GPUs are never summed."""
-ENGINE_TENSOR_PARALLEL = 1
-"""GPUs one rollout engine spans (vLLM tensor parallel): one today, whatever ``gpusPerReplica``."""
 ENGINE_GPU_MEMORY_UTILIZATION = 0.5
-"""Share of a GPU a vLLM engine reserves (``VLLMEngine``'s ``gpu_memory_utilization``): its
+"""Share of a GPU a colocated vLLM engine reserves unless ``spec.rollout.gpuMemoryUtilization``
+says otherwise (a disaggregated engine: 0.9, see ``engine_memory_share``): its
 weights and KV cache must fit in it, and beside a colocated trainer the rest is the trainer's."""
 LOGIT_CHUNK_TOKENS = 1024
 """Tokens whose vocabulary-sized logits the trainer materialises at once: log-probabilities and
@@ -303,8 +302,28 @@ class TrainerLayout:
 
 
 def ranks_per_pod(spec: RLJobSpec) -> int:
-    """Trainer ranks per trainer/actor pod (``RANKS_PER_POD``; see there)."""
-    return RANKS_PER_POD
+    """Trainer ranks per trainer/actor pod: ``processesPerReplica``, one per GPU by default.
+    Every estimate is per rank, i.e. per GPU: a pod's GPUs are never summed."""
+    return processes_per_replica(spec.trainer)
+
+
+def engine_tensor_parallel(spec: RLJobSpec, role: str) -> int:
+    """GPUs one engine of ``role`` spans (vLLM tensor parallel): a colocated actor's engine 1."""
+    return tensor_parallel_size(spec.rollout) if role == "rollout" else 1
+
+
+def engines_of(spec: RLJobSpec, role: str) -> int:
+    """Engines of ``role`` in the whole job: one per actor rank, or per rollout engine."""
+    if role == "rollout":
+        return spec.rollout.replicas * engines_per_replica(spec.rollout)
+    return spec.trainer.replicas * ranks_per_pod(spec)
+
+
+def engine_memory_share(spec: RLJobSpec, role: str) -> float:
+    """vLLM's ``gpu_memory_utilization`` for an engine of ``role`` (the worker's default)."""
+    if spec.rollout.gpu_memory_utilization is not None:
+        return spec.rollout.gpu_memory_utilization
+    return ENGINE_GPU_MEMORY_UTILIZATION if role == "actor" else 0.9
 
 
 def trainer_layout(spec: RLJobSpec) -> TrainerLayout:
@@ -545,14 +564,14 @@ def estimate_rank_memory(
         )
     generation: dict[str, int] = {}
     if role in ("actor", "rollout"):
-        engines = spec.trainer.replicas if role == "actor" else spec.rollout.replicas
+        engines = engines_of(spec, role)
+        tp = engine_tensor_parallel(spec, role)
         n = responses_per_prompt(spec)
         sequences = max(1, math.ceil(spec.algorithm.batch_size * n / engines))
-        engine = {
-            "engine_weights": math.ceil(shape.parameters() * b / ENGINE_TENSOR_PARALLEL),
+        engine = {  # one GPU's shard of the engine
+            "engine_weights": math.ceil(shape.parameters() * b / tp),
             "kv_cache": math.ceil(
-                kv_cache_bytes(shape, sequences=sequences, seq_len=seq_len, dtype_bytes=b)
-                / ENGINE_TENSOR_PARALLEL
+                kv_cache_bytes(shape, sequences=sequences, seq_len=seq_len, dtype_bytes=b) / tp
             ),
         }
         # a GPU actor's engine sleeps while it trains; on CPU sleep frees nothing
@@ -699,21 +718,20 @@ def _host_capacity(pod: Mapping[str, Any], capacity: PodCapacity) -> tuple[int |
 
 
 def _rank_capacity(
-    pod: Mapping[str, Any], role: str, gpus: int, capacity: PodCapacity, engine: str
+    pod: Mapping[str, Any], spec: RLJobSpec, role: str, gpus: int, capacity: PodCapacity
 ) -> tuple[int | None, str]:
     """What one rank can use: one GPU (never the pod's GPUs summed; a vLLM rollout engine only
     its reserved share of it), or a CPU pod's memory."""
+    engine = spec.rollout.engine
     if not gpus:
         return _host_capacity(pod, capacity)
     if capacity.gpu_bytes is None:
         return None, "unknown (give --gpu-memory, or nodes labelled nvidia.com/gpu.memory)"
     which = "one GPU" if gpus == 1 else f"one of the pod's {gpus} GPUs"
     if role == "rollout" and engine == "vllm":
-        share = int(ENGINE_GPU_MEMORY_UTILIZATION * capacity.gpu_bytes)
-        return share, (
-            f"vLLM's gpu_memory_utilization {ENGINE_GPU_MEMORY_UTILIZATION} of {which}: "
-            f"{capacity.source}"
-        )
+        utilization = engine_memory_share(spec, role)
+        share = int(utilization * capacity.gpu_bytes)
+        return share, f"vLLM's gpu_memory_utilization {utilization} of {which}: {capacity.source}"
     return capacity.gpu_bytes, f"{which}: {capacity.source}"
 
 
@@ -736,51 +754,63 @@ def _worst(*verdicts: Verdict) -> Verdict:
 
 
 def _gpus_used(role: str, spec: RLJobSpec) -> int:
-    """GPUs of a pod that its processes use today."""
+    """GPUs of a pod that its processes use: one per trainer rank, or tensorParallelSize per
+    rollout engine."""
     gpus = role_gpus(spec, role)  # type: ignore[arg-type]
-    per_process = ENGINE_TENSOR_PARALLEL if role == "rollout" else ranks_per_pod(spec)
-    return min(gpus, per_process)
+    if role == "rollout":
+        return min(gpus, engines_per_replica(spec.rollout) * tensor_parallel_size(spec.rollout))
+    return min(gpus, ranks_per_pod(spec))
 
 
 def _layout_warnings(spec: RLJobSpec, roles: set[str]) -> list[str]:
-    """Once per role: GPUs a pod asks for but cannot use."""
+    """Once per role: GPUs a pod asks for but leaves idle (fewer processes or engines than its
+    GPUs, as set explicitly)."""
     warnings: list[str] = []
     for role in sorted(roles):
         gpus, used = role_gpus(spec, role), _gpus_used(role, spec)  # type: ignore[arg-type]
         if gpus <= used:
             continue
         if role == "rollout":
+            engines, tp = engines_per_replica(spec.rollout), tensor_parallel_size(spec.rollout)
             warnings.append(
-                f"spec.rollout.gpusPerReplica {gpus}: each rollout pod runs one engine on one "
-                f"GPU (no tensor parallel yet), so {gpus - used} of its {gpus} GPUs stay idle and "
-                "the engine must fit one GPU; set gpusPerReplica 1 and more replicas"
+                f"spec.rollout.enginesPerReplica {engines} x tensorParallelSize {tp} use {used} "
+                f"of each rollout pod's {gpus} GPUs; {gpus - used} stay idle (remove "
+                "enginesPerReplica: gpusPerReplica / tensorParallelSize engines)"
             )
             continue
-        replicas = spec.trainer.replicas
         warnings.append(
-            f"spec.trainer.gpusPerReplica {gpus}: each {role} pod runs {used} trainer "
-            f"process(es) on {used} GPU (one process per GPU comes in a later release), so "
-            f"{gpus - used} of its {gpus} GPUs stay idle and their memory is not added: the "
-            f"estimate is per rank, one GPU; to train on all {replicas * gpus} GPUs set "
-            f"spec.trainer.replicas {replicas * gpus} and gpusPerReplica 1"
+            f"spec.trainer.processesPerReplica {used}: each {role} pod runs {used} trainer "
+            f"process(es) on {used} of its {gpus} GPUs; {gpus - used} stay idle (remove "
+            "processesPerReplica: one process per GPU)"
         )
     return warnings
 
 
+def _heads_check(name: str, spec: RLJobSpec, role: str, shape: ModelShape | None) -> list[str]:
+    """A rollout engine's tensor-parallel size against the model's heads (vLLM's rule)."""
+    if shape is None or role != "rollout":
+        return []
+    problem = tensor_parallel_problem(
+        {"num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads},
+        tensor_parallel_size(spec.rollout),
+    )
+    return [f"{name}: {problem}"] if problem else []
+
+
 def _engine_check(
-    name: str, est: MemoryEstimate, gpu_bytes: int | None
+    name: str, est: MemoryEstimate, gpu_bytes: int | None, utilization: float
 ) -> tuple[Verdict, list[str]]:
     """A colocated GPU actor's vLLM engine: it reserves its share of the GPU beside the trainer
     state held while it generates, and its weights and KV cache must fit that share."""
     if gpu_bytes is None or not est.generation:
         return "fits", []
-    share = int(ENGINE_GPU_MEMORY_UTILIZATION * gpu_bytes)
+    share = int(utilization * gpu_bytes)
     need, held = sum(est.generation.values()), sum(est.components.values())
     problems = []
     if need > share:
         problems.append(
             f"{name}: the vLLM engine needs {_gib(need)} (weights + KV cache) but reserves "
-            f"gpu_memory_utilization {ENGINE_GPU_MEMORY_UTILIZATION} of the GPU, {_gib(share)}"
+            f"gpu_memory_utilization {utilization} of the GPU, {_gib(share)}"
         )
     if held + share > gpu_bytes:
         problems.append(
@@ -808,7 +838,7 @@ def _plan_pod(
         if shape is None
         else estimate_rank_memory(spec, topology, role, shape, prompt_tokens=prompt_tokens)
     )
-    cap, source = _rank_capacity(pod, role, gpus, capacity, spec.rollout.engine)
+    cap, source = _rank_capacity(pod, spec, role, gpus, capacity)
     device = None if est is None else est.total + (0 if gpus else est.host_total)
     left, verdict = _verdict(device, cap, headroom)
     warnings = []
@@ -819,7 +849,9 @@ def _plan_pod(
         )
     if verdict == "does-not-fit":
         warnings.append(f"{name}: the per-rank estimate exceeds {source}")
-    ranks = ranks_per_pod(spec) if role in ("actor", "trainer") else 1
+    ranks = (
+        ranks_per_pod(spec) if role in ("actor", "trainer") else engines_per_replica(spec.rollout)
+    )
     host_bytes = host_cap = host_left = None
     host_source = ""
     if est is not None and est.host and gpus:
@@ -833,8 +865,13 @@ def _plan_pod(
             )
         verdict = _worst(verdict, host_verdict)
     if est is not None and gpus and spec.rollout.engine == "vllm":
-        engine_verdict, problems = _engine_check(name, est, capacity.gpu_bytes)
+        engine_verdict, problems = _engine_check(
+            name, est, capacity.gpu_bytes, engine_memory_share(spec, role)
+        )
         verdict, warnings = _worst(verdict, engine_verdict), warnings + problems
+    heads = _heads_check(name, spec, role, shape)
+    if heads:
+        verdict, warnings = "does-not-fit", warnings + heads
     plan = PodPlan(
         name=name,
         role=role,

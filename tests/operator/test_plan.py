@@ -27,6 +27,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -294,26 +295,38 @@ def test_plan_pods_come_from_the_builders_with_resources() -> None:
     assert plan.pods[0].limits == {"memory": "8Gi", "nvidia.com/gpu": "1"}
 
 
-def test_plan_7b_on_one_8_gpu_pod_is_one_rank_on_one_gpu_and_does_not_fit() -> None:
-    """The issue's bug: 8 GPUs of one pod were summed, but its one process uses one GPU."""
+def test_plan_7b_on_one_8_gpu_pod_is_eight_ranks_each_against_one_gpu() -> None:
+    """An 8-GPU pod runs 8 ranks (one per GPU): each is estimated against one GPU (80 GiB, never
+    the pod's 640), exactly as 8 one-GPU pods are."""
     one_pod = build_plan(
         job(model={"dtype": "bfloat16"}, trainer={"gpusPerReplica": 8}),
         shape=SHAPE_7B,
         capacity=PodCapacity(gpu_bytes=80 * GIB),
     )
     pod = one_pod.pods[0]
-    assert one_pod.verdict == "does-not-fit"
-    assert (pod.gpus, pod.gpus_used, pod.capacity_bytes) == (8, 1, 80 * GIB)
-    # a replica of a 7B policy with AdamW: 16 B per parameter before any activation
-    assert pod.memory is not None and pod.memory.total > 16 * SHAPE_7B.parameters()
-    assert any(
-        "7 of its 8 GPUs stay idle" in w and "spec.trainer.replicas 8 and gpusPerReplica 1" in w
-        for w in one_pod.warnings
-    )
+    assert (pod.gpus, pod.gpus_used, pod.ranks, pod.capacity_bytes) == (8, 8, 8, 80 * GIB)
     eight = job(model={"dtype": "bfloat16"}, trainer={"replicas": 8, "gpusPerReplica": 1})
     spread = build_plan(eight, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=80 * GIB))
-    assert spread.verdict == "fits" and len(spread.pods) == 8
-    assert not any("idle" in w for w in spread.warnings)
+    assert spread.verdict == one_pod.verdict == "fits" and len(spread.pods) == 8
+    assert pod.memory is not None and spread.pods[0].memory is not None
+    assert pod.memory.total == spread.pods[0].memory.total  # fsdp over 8 ranks either way
+    assert pod.memory.layout is not None and pod.memory.layout.world == 8
+    assert not any("idle" in w for w in one_pod.warnings + spread.warnings)
+
+
+def test_plan_one_process_on_an_8_gpu_pod_leaves_7_idle_and_does_not_fit() -> None:
+    """processesPerReplica 1 on 8 GPUs: one rank holds the whole 7B state on one GPU."""
+    plan = build_plan(
+        job(model={"dtype": "bfloat16"}, trainer={"gpusPerReplica": 8, "processesPerReplica": 1}),
+        shape=SHAPE_7B,
+        capacity=PodCapacity(gpu_bytes=80 * GIB),
+    )
+    pod = plan.pods[0]
+    assert plan.verdict == "does-not-fit"
+    assert (pod.gpus, pod.gpus_used, pod.ranks, pod.capacity_bytes) == (8, 1, 1, 80 * GIB)
+    # a replica of a 7B policy with AdamW: 16 B per parameter before any activation
+    assert pod.memory is not None and pod.memory.total > 16 * SHAPE_7B.parameters()
+    assert any("7 stay idle" in w and "processesPerReplica" in w for w in plan.warnings)
 
 
 def test_plan_tight_headroom_warns_once_for_identical_pods() -> None:
@@ -348,23 +361,62 @@ def test_plan_cpu_offload_checks_host_memory_against_the_pod_limit() -> None:
 
 
 def test_plan_vllm_rollout_engine_must_fit_its_share_of_one_gpu() -> None:
-    def rollout(engine: str, gpus: int = 1) -> tuple[Any, list[str]]:
+    def rollout(engine: str, gpus: int = 1, **more: Any) -> tuple[Any, list[str]]:
         spec = job(
             topology="disaggregated",
             algorithm={"name": "dapo"},
             model={"dtype": "bfloat16"},
-            rollout={"engine": engine, "gpusPerReplica": gpus},
+            rollout={"engine": engine, "gpusPerReplica": gpus, **more},
         )
         plan = build_plan(spec, shape=SHAPE_7B, capacity=PodCapacity(gpu_bytes=24 * GIB))
         return plan.pods[0], plan.warnings
 
-    vllm, _ = rollout("vllm")  # 7B bf16 weights: ~14 GiB, more than half of 24 GiB
+    # 7B bf16 weights: ~14 GiB, more than half of 24 GiB
+    vllm, _ = rollout("vllm", gpuMemoryUtilization=0.5)
     assert vllm.capacity_bytes == 12 * GIB and vllm.verdict == "does-not-fit"
+    default, _ = rollout("vllm")  # a disaggregated engine takes vLLM's usual 0.9
+    assert default.capacity_bytes == int(0.9 * 24 * GIB)
     hf, _ = rollout("hf")
     assert hf.capacity_bytes == 24 * GIB and hf.verdict != "does-not-fit"
-    two, warnings = rollout("vllm", gpus=2)
-    assert two.capacity_bytes == 12 * GIB  # one engine on one GPU: no tensor parallel yet
-    assert any("no tensor parallel yet" in w for w in warnings)
+    # two GPUs: one engine, tensor parallel 2, half the weights and KV cache per GPU
+    two, warnings = rollout("vllm", gpus=2, gpuMemoryUtilization=0.5)
+    assert (two.gpus_used, two.ranks, two.capacity_bytes) == (2, 1, 12 * GIB)
+    assert two.verdict != "does-not-fit" and not any("idle" in w for w in warnings)
+    assert vllm.memory is not None and two.memory is not None
+    one_gpu = vllm.memory.components["engine_weights"]
+    assert two.memory.components["engine_weights"] == math.ceil(one_gpu / 2)
+    # two engines of one GPU each: data parallel, each holds the whole model
+    dp, _ = rollout("vllm", gpus=2, tensorParallelSize=1, gpuMemoryUtilization=0.5)
+    assert (dp.gpus_used, dp.ranks, dp.verdict) == (2, 2, "does-not-fit")
+    idle, warnings = rollout("vllm", gpus=4, tensorParallelSize=2, enginesPerReplica=1)
+    assert idle.gpus_used == 2 and any("2 stay idle" in w for w in warnings)
+
+
+def test_plan_tensor_parallel_must_divide_the_model_heads() -> None:
+    """vLLM's rule: attention heads split evenly; KV heads split or are replicated evenly."""
+    spec = job(
+        topology="disaggregated",
+        algorithm={"name": "dapo"},
+        rollout={"gpusPerReplica": 8, "tensorParallelSize": 8},
+    )
+    heads = replace(SHAPE_7B, num_heads=28, num_kv_heads=4)  # Qwen2.5-7B
+    plan = build_plan(spec, shape=heads, capacity=PodCapacity(gpu_bytes=80 * GIB))
+    assert plan.pods[0].verdict == "does-not-fit"
+    assert any(
+        "spec.rollout.tensorParallelSize: 8 does not divide the model's 28 attention heads" in w
+        for w in plan.warnings
+    )
+    four = job(
+        topology="disaggregated",
+        algorithm={"name": "dapo"},
+        rollout={"gpusPerReplica": 8, "tensorParallelSize": 4},
+    )
+    ok = build_plan(four, shape=heads, capacity=PodCapacity(gpu_bytes=80 * GIB))
+    assert not any("heads" in w for w in ok.warnings)
+    assert (ok.pods[0].ranks, ok.pods[0].gpus_used) == (2, 8)  # two engines of TP 4
+    kv = replace(SHAPE_7B, num_heads=32, num_kv_heads=6)
+    odd = build_plan(four, shape=kv, capacity=PodCapacity(gpu_bytes=80 * GIB))
+    assert any("neither divides the model's 6 KV heads" in w for w in odd.warnings)
 
 
 def test_plan_colocated_vllm_share_must_fit_beside_the_trainer_state() -> None:

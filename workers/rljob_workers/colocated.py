@@ -498,7 +498,11 @@ def build_colocated_runtime(
         world_size=env.world_size,
     )
     clock.mark("model_load")
-    engine = engine or build_engine(config, seed=mix_seed(config.seed, env.rank, 11))
+    engine = engine or build_engine(
+        config,
+        seed=mix_seed(config.seed, env.rank, 11),
+        local_rank=env.local_rank if env.local_world_size > 1 else None,
+    )
     clock.mark("engine_start")
     task = load_task_data(config.task)
     control = ControlWatcher.beside(env.config_path)

@@ -12,13 +12,13 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
@@ -127,6 +127,15 @@ class RolloutConfig(_Model):
 
     engine: Literal["vllm", "hf"] = "vllm"
     sampling: SamplingConfig = SamplingConfig()
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM tensor_parallel_size of each engine (GPUs one engine spans)"
+    )
+    engines_per_replica: int = Field(
+        1, ge=1, description="data-parallel engines (processes) per rollout pod"
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=0.95, description="share of each GPU's memory a vLLM engine may take"
+    )
 
 
 class GradientCompressionConfig(_Model):
@@ -136,6 +145,9 @@ class GradientCompressionConfig(_Model):
 
 class TrainerConfig(_Model):
     replicas: int = 1
+    processes_per_replica: int = Field(
+        1, ge=1, description="trainer (colocated: actor) processes per pod, one per GPU"
+    )
     gradient_compression: GradientCompressionConfig = GradientCompressionConfig()
     gradient_checkpointing: bool = False
     sharding: Literal["fsdp", "ddp"] = Field(
@@ -262,13 +274,44 @@ class WorkerConfig(_Model):
         return schema_version_of(version_file.read_text() if version_file.is_file() else None)
 
 
+LOCAL_RANK_ENV = "RLJOB_LOCAL_RANK"
+"""Set by the in-pod supervisor (``rljob_workers.supervisor``) on each process it starts."""
+LOCAL_WORLD_SIZE_ENV = "RLJOB_LOCAL_WORLD_SIZE"
+"""Processes per pod; set by the operator on the pod (more than 1: a supervisor starts them)."""
+
+
+def tensor_parallel_problem(model_config: Mapping[str, Any], tp: int) -> str | None:
+    """Why a model (its ``config.json`` as a dict) cannot be sharded over ``tp`` tensor-parallel
+    ranks, as vLLM checks it: the attention heads must split evenly, and the KV heads either
+    split evenly or (fewer KV heads than ranks) be replicated evenly. None: it can."""
+    if tp <= 1:
+        return None
+    heads = model_config.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    kv = model_config.get("num_key_value_heads") or heads
+    if heads % tp:
+        return (
+            f"spec.rollout.tensorParallelSize: {tp} does not divide the model's "
+            f"{heads} attention heads; pick a divisor of {heads}"
+        )
+    if kv % tp and tp % kv:
+        return (
+            f"spec.rollout.tensorParallelSize: {tp} neither divides the model's {kv} KV heads "
+            f"nor is a multiple of them; pick a divisor or a multiple of {kv}"
+        )
+    return None
+
+
 class ProcessEnv(_Model):
     """Per-process facts, from the environment the operator (or the local runner) sets."""
 
     role: Role
-    rank: int = 0
-    world_size: int = 1
-    replica: int = 0
+    rank: int = Field(0, description="global rank within the role (trainer group; rollout shard)")
+    world_size: int = Field(1, description="processes of the role, all pods together")
+    replica: int = Field(0, description="the pod's index within its role")
+    local_rank: int = Field(0, description="this process's index within its pod")
+    local_world_size: int = Field(1, description="processes of the role in this pod")
     config_path: str = "/etc/rljob/config.json"
     token: str | None = None
 
@@ -280,6 +323,8 @@ class ProcessEnv(_Model):
             rank=int(e.get("RLJOB_RANK", "0")),
             world_size=int(e.get("RLJOB_WORLD_SIZE", "1")),
             replica=int(e.get("RLJOB_REPLICA", "0")),
+            local_rank=int(e.get(LOCAL_RANK_ENV, "0")),
+            local_world_size=int(e.get(LOCAL_WORLD_SIZE_ENV, "1")),
             config_path=e.get(CONFIG_FILE_ENV, "/etc/rljob/config.json"),
             token=e.get("RLJOB_TOKEN"),
         )

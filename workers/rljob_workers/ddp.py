@@ -160,6 +160,7 @@ def trainer_process_group(config: WorkerConfig, env: ProcessEnv) -> Iterator[Non
             "MASTER_PORT": str(config.endpoints.rendezvous_port),
             "RANK": str(env.rank),
             "WORLD_SIZE": str(env.world_size),
+            "LOCAL_RANK": str(env.local_rank),  # NCCL: this process's GPU in the pod
         },
     )
     try:

@@ -18,6 +18,9 @@ from typing import Protocol
 from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, Progress, Role, progress_configmap
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+PROGRESS_DIR_ENV = "RLJOB_PROGRESS_DIR"
+"""Set by the in-pod supervisor (``rljob_workers.supervisor``): each process of the pod writes
+its report into a file of its own there, and the supervisor sends the pod's merged report."""
 
 
 class HeartbeatWriter(Protocol):
@@ -25,15 +28,17 @@ class HeartbeatWriter(Protocol):
 
 
 class FileHeartbeat:
-    """Writes ``<dir>/<role>-<replica>.json`` atomically (rename)."""
+    """Writes ``<dir>/<role>-<replica>.json`` atomically (rename); with ``local_rank``,
+    ``<role>-<replica>.local-<n>.json`` (the processes of one pod, for its supervisor)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, local_rank: int | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.suffix = "" if local_rank is None else f".local-{local_rank}"
 
     def write(self, progress: Progress) -> None:
-        target = self.directory / f"{progress.key}.json"
-        tmp = target.with_suffix(".tmp")
+        target = self.directory / f"{progress.key}{self.suffix}.json"
+        tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(progress.model_dump_json())
         os.replace(tmp, target)
 
@@ -107,7 +112,11 @@ def heartbeat_from_env(
     namespace: str, job_name: str, output_dir: str, operator_schema: int = SCHEMA_VERSION
 ) -> HeartbeatWriter:
     """In a pod with a ServiceAccount token: the ConfigMap (reports in the form the operator's
-    schema version reads); otherwise files under output_dir."""
+    schema version reads); otherwise files under output_dir. A process under the in-pod
+    supervisor writes a file of its own for the supervisor to merge (``PROGRESS_DIR_ENV``)."""
+    supervised = os.environ.get(PROGRESS_DIR_ENV)
+    if supervised:
+        return FileHeartbeat(supervised, int(os.environ.get("RLJOB_LOCAL_RANK", "0")))
     if os.environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").exists():
         return KubeHeartbeat.in_cluster(namespace, job_name, operator_schema)
     return FileHeartbeat(Path(output_dir) / "progress")

@@ -34,6 +34,7 @@ from rljob_workers.config import CheckpointConfig, Role, WorkerConfig
 from rljob_workers.metrics import metrics_log_path
 from rljob_workers.ports import free_port
 from rljob_workers.report import render_summary_table, shown, summarize_records, write_plots
+from rljob_workers.supervisor import die_with_parent
 
 __all__ = [
     "ProcessSpec",
@@ -48,7 +49,6 @@ STOP_GRACE_S = 30.0
 """SIGTERM -> SIGKILL, as Kubernetes' default terminationGracePeriodSeconds: a vLLM rollout
 delivering its last batch and shutting its engine down takes several seconds on a busy host."""
 LOG_TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -150,15 +150,6 @@ def _worker_env(spec: ProcessSpec, config_path: Path, token: str, threads: int) 
         }
     )
     return env
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the runner dies (Linux), no orphans."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -372,7 +363,7 @@ def _spawn(
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     return _Child(spec, process, log_path, log_file, metrics_path, offset=offset)
 

@@ -12,8 +12,10 @@ to fix), 1 any other failure.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import random
@@ -26,7 +28,14 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from rljob_workers.config import SCHEMA_VERSION, ProcessEnv, WorkerConfig, schema_mismatch
+from rljob_workers.config import (
+    SCHEMA_VERSION,
+    ProcessEnv,
+    WorkerConfig,
+    schema_mismatch,
+    tensor_parallel_problem,
+)
+from rljob_workers.supervisor import is_supervisor, run_supervisor
 
 __all__ = ["ConfigError", "main", "run_worker", "validate_worker_config"]
 
@@ -51,7 +60,7 @@ def validate_worker_config(config: WorkerConfig, env: ProcessEnv) -> list[str]:
     Pure checks plus cheap file-system and import look-ups; loads no model.
     """
     problems = _check_model(config) + _check_task(config) + _check_algorithm(config, env)
-    problems += _check_role(config, env) + _check_runtime(config)
+    problems += _check_role(config, env) + _check_parallel(config, env) + _check_runtime(config)
     return problems
 
 
@@ -189,6 +198,34 @@ def _check_algorithm(config: WorkerConfig, env: ProcessEnv) -> list[str]:
     return problems
 
 
+def _check_parallel(config: WorkerConfig, env: ProcessEnv) -> list[str]:
+    """Ranks within the pod, and a tensor-parallel size the model's heads allow."""
+    problems = []
+    if not 0 <= env.local_rank < env.local_world_size:
+        problems.append(
+            f"RLJOB_LOCAL_RANK: {env.local_rank} is outside "
+            f"[0, RLJOB_LOCAL_WORLD_SIZE={env.local_world_size})"
+        )
+    tp = config.rollout.tensor_parallel_size
+    if config.topology == "colocated" and (tp > 1 or config.rollout.engines_per_replica > 1):
+        problems.append(
+            "spec.rollout.tensorParallelSize: with topology colocated each actor rank holds one "
+            "engine on its own GPU; remove tensorParallelSize and enginesPerReplica"
+        )
+    if tp > 1 and config.rollout.engine != "vllm":
+        problems.append(
+            f"spec.rollout.tensorParallelSize: {tp} needs engine vllm (the hf engine runs one "
+            "shard); set spec.rollout.engine: vllm or tensorParallelSize 1"
+        )
+    model_config = Path(config.model.path) / "config.json"
+    if env.role == "rollout" and tp > 1 and model_config.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            problem = tensor_parallel_problem(json.loads(model_config.read_text()), tp)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
 def _check_role(config: WorkerConfig, env: ProcessEnv) -> list[str]:
     if config.topology == "colocated" and env.role != "actor":
         return [
@@ -248,6 +285,10 @@ def run_worker(config: WorkerConfig, env: ProcessEnv) -> list[dict[str, Any]]:
     problems = validate_worker_config(config, env)
     if problems:
         raise ConfigError(problems)
+    if config.device == "cuda" and env.local_world_size > 1:
+        import torch
+
+        torch.cuda.set_device(env.local_rank)  # one GPU per process of the pod
     _seed_everything(config.seed + env.rank)
     _quiet_libraries()
     _log_threads()
@@ -306,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         env = ProcessEnv.from_env()
         config = _load_config(env)
+        if is_supervisor(os.environ):  # several processes in this pod: start and watch them
+            problems = validate_worker_config(config, env)
+            if problems:
+                raise ConfigError(problems)
+            return run_supervisor(config)
         run_worker(config, env)
     except ConfigError as exc:
         for problem in exc.problems:

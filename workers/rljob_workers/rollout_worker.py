@@ -64,11 +64,11 @@ def shard_prompts(num_prompts: int, replica: int, replicas: int) -> list[int]:
 
 
 class RolloutWorker:
-    """One rollout process (replica ``env.replica`` of ``env.world_size``).
+    """One rollout process: engine ``env.rank`` of ``env.world_size`` (pod ``env.replica``).
 
     Args:
         config: the job's worker config.
-        env: role ``rollout``; ``replica`` and ``world_size`` choose the prompt shard.
+        env: role ``rollout``; ``rank`` and ``world_size`` choose the prompt shard.
         engine: a ready engine (tests); default builds the configured one.
         stop: set it to end the loop (SIGTERM sets it in a worker process).
         clock: wall-clock seconds (trajectory creation and serving times).
@@ -87,7 +87,7 @@ class RolloutWorker:
         self.env = env
         self.clock = clock
         self.stop = stop or threading.Event()
-        self.incarnation = f"r{env.replica}.{secrets.token_hex(3)}"
+        self.incarnation = f"r{env.rank}.{secrets.token_hex(3)}"
         token = env.token or token_from_env()
         tls = client_context(config.endpoints.tls_dir)
         base = f"{'http' if tls is None else 'https'}://{config.endpoints.trainer_host}"
@@ -98,7 +98,8 @@ class RolloutWorker:
             f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True, tls=tls
         )
         self.task: TaskData = load_task_data(config.task)
-        self.shard = shard_prompts(len(self.task.prompts), env.replica, env.world_size)
+        # one shard per engine: the pod's engines (local ranks) are ranks of their own
+        self.shard = shard_prompts(len(self.task.prompts), env.rank, env.world_size)
         boot_seed = secrets.randbits(31)
         self.sampler = PromptSampler(len(self.shard), seed=boot_seed)
         self.prompts_per_batch = max(1, math.ceil(config.algorithm.batch_size / env.world_size))

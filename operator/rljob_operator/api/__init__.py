@@ -106,6 +106,8 @@ from rljob_operator.api.rljob import (
 from rljob_operator.api.rollout import (
     Rollout,
     Sampling,
+    engines_per_replica,
+    tensor_parallel_size,
 )
 from rljob_operator.api.spec import (
     Objective,
@@ -152,6 +154,7 @@ from rljob_operator.api.trainer import (
     Sharding,
     Trainer,
     default_sharding,
+    processes_per_replica,
     resolve_sharding,
 )
 from rljob_operator.api.versions import (
@@ -262,9 +265,11 @@ __all__ = [
     "WorkerPods",
     "all_cel_rules",
     "default_sharding",
+    "engines_per_replica",
     "is_on_policy",
     "object_rule_problems",
     "parse_rljob",
+    "processes_per_replica",
     "resolve_advantage_estimator",
     "resolve_clip_ratio_high",
     "resolve_dynamic_sampling",
@@ -274,5 +279,6 @@ __all__ = [
     "resolve_topology",
     "resolve_weight_sync_method",
     "responses_per_prompt",
+    "tensor_parallel_size",
     "version_problems",
 ]

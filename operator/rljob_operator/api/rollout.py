@@ -75,7 +75,36 @@ class Rollout(SpecModel):
         1,
         ge=0,
         le=64,
-        description="nvidia.com/gpu per rollout pod (tensor-parallel size); 0 = CPU.",
+        description="nvidia.com/gpu per rollout pod; 0 = CPU. The pod runs "
+        "gpusPerReplica / tensorParallelSize vLLM engines (data parallel), each on its own "
+        "tensorParallelSize GPUs.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="vLLM tensor_parallel_size of each engine: GPUs one engine shards the model "
+        "over (it must divide the model's attention and KV heads). Unset: gpusPerReplica (one "
+        "engine per pod), or 1 on CPU. Must divide gpusPerReplica. Colocated: 1 (each actor "
+        "rank holds its own engine on its GPU).",
+    )
+    engines_per_replica: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="vLLM engines per rollout pod (data parallel; each is an endpoint for "
+        "experience and weight sync). Unset: gpusPerReplica / tensorParallelSize, or 1 on "
+        "CPU. With GPUs, enginesPerReplica x tensorParallelSize may not exceed gpusPerReplica; "
+        "on CPU any count runs (CPU stand-ins for GPUs). Disaggregated only.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0.0,
+        le=0.95,
+        description="Fraction of each GPU's memory a vLLM engine may take (weights + KV "
+        "cache). Colocated, the rest is the trainer rank's on the same GPU, and the engine "
+        "sleeps (frees its KV cache and offloads weights) while the trainer steps. Unset: 0.5 "
+        "colocated, 0.9 disaggregated. Ignored on CPU.",
     )
     sampling: Sampling = _nested(Sampling, "Sampling parameters.")
     resources: Resources = _nested(Resources, "CPU/memory per rollout pod.")
@@ -101,4 +130,50 @@ class Rollout(SpecModel):
         ),
         _no_gpu_in_resources("rollout"),
         _sizes_positive("rollout"),
+        CelRule(
+            rule="!has(self.tensorParallelSize) || !has(self.gpusPerReplica) || "
+            "self.gpusPerReplica == 0 || self.gpusPerReplica % self.tensorParallelSize == 0",
+            message="spec.rollout.tensorParallelSize must divide spec.rollout.gpusPerReplica "
+            "(the pod runs gpusPerReplica / tensorParallelSize engines); pick a divisor, e.g. "
+            "tensorParallelSize equal to gpusPerReplica for one engine per pod",
+            holds=lambda r: (
+                "tensorParallelSize" not in r
+                or r.get("gpusPerReplica", 1) == 0
+                or r.get("gpusPerReplica", 1) % r["tensorParallelSize"] == 0
+            ),
+            field_path=".tensorParallelSize",
+        ),
+        CelRule(
+            rule="!has(self.enginesPerReplica) || !has(self.gpusPerReplica) || "
+            "self.gpusPerReplica == 0 || self.enginesPerReplica * "
+            "(has(self.tensorParallelSize) ? self.tensorParallelSize : self.gpusPerReplica) "
+            "<= self.gpusPerReplica",
+            message="spec.rollout.enginesPerReplica x tensorParallelSize must be <= "
+            "spec.rollout.gpusPerReplica (each engine holds tensorParallelSize GPUs of its "
+            "own); lower enginesPerReplica, set tensorParallelSize to gpusPerReplica / "
+            "enginesPerReplica, or raise gpusPerReplica",
+            holds=lambda r: (
+                "enginesPerReplica" not in r
+                or r.get("gpusPerReplica", 1) == 0
+                or r["enginesPerReplica"] * r.get("tensorParallelSize", r.get("gpusPerReplica", 1))
+                <= r.get("gpusPerReplica", 1)
+            ),
+            field_path=".enginesPerReplica",
+        ),
     )
+
+
+def tensor_parallel_size(rollout: Rollout) -> int:
+    """GPUs (CPU: processes) one vLLM engine shards the model over: the spec's size, else every
+    GPU of the pod, else 1."""
+    if rollout.tensor_parallel_size is not None:
+        return rollout.tensor_parallel_size
+    return max(rollout.gpus_per_replica, 1)
+
+
+def engines_per_replica(rollout: Rollout) -> int:
+    """Rollout engines (data-parallel processes) per pod: the spec's count, else the pod's GPUs
+    over the tensor-parallel size, else 1."""
+    if rollout.engines_per_replica is not None:
+        return rollout.engines_per_replica
+    return max(rollout.gpus_per_replica // tensor_parallel_size(rollout), 1)

@@ -179,6 +179,23 @@ class _SpecCommon(SpecModel):
             ),
             field_path=".algorithm.overlongBuffer.cacheLength",
         ),
+        CelRule(
+            rule="self.topology != 'colocated' || "
+            "((!has(self.rollout.tensorParallelSize) || self.rollout.tensorParallelSize == 1) "
+            "&& (!has(self.rollout.enginesPerReplica) || self.rollout.enginesPerReplica == 1))",
+            message="spec.rollout.tensorParallelSize and spec.rollout.enginesPerReplica: with "
+            "topology colocated each actor rank holds one engine on its own GPU (set "
+            "spec.trainer.gpusPerReplica / processesPerReplica for more ranks per pod); remove "
+            "them, or use topology disaggregated for tensor-parallel rollouts",
+            holds=lambda s: (
+                s["topology"] != "colocated"
+                or (
+                    s["rollout"].get("tensorParallelSize", 1) == 1
+                    and s["rollout"].get("enginesPerReplica", 1) == 1
+                )
+            ),
+            field_path=".rollout.tensorParallelSize",
+        ),
     )
 
     @model_validator(mode="after")

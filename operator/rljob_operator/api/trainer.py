@@ -78,6 +78,16 @@ class Trainer(SpecModel):
     gpus_per_replica: int = Field(
         1, ge=0, le=64, description="nvidia.com/gpu per trainer pod; 0 = CPU (gloo)."
     )
+    processes_per_replica: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Trainer processes (ranks) per pod, started by an in-pod supervisor with "
+        "torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE); the world size "
+        "is replicas x processesPerReplica and DDP/FSDP span every rank. Unset: one per GPU "
+        "(gpusPerReplica), or 1 on CPU. With GPUs it may not exceed gpusPerReplica; on CPU "
+        "(gpusPerReplica 0) any count runs, each process a CPU stand-in for a GPU.",
+    )
     resources: Resources = _nested(Resources, "CPU/memory per trainer pod.")
     pod_template_overrides: PodTemplateOverrides = _nested(
         PodTemplateOverrides,
@@ -127,6 +137,19 @@ class Trainer(SpecModel):
         _no_gpu_in_resources("trainer"),
         _sizes_positive("trainer"),
         CelRule(
+            rule="!has(self.processesPerReplica) || !has(self.gpusPerReplica) || "
+            "self.gpusPerReplica == 0 || self.processesPerReplica <= self.gpusPerReplica",
+            message="spec.trainer.processesPerReplica must be <= spec.trainer.gpusPerReplica "
+            "(one process per GPU at most); lower processesPerReplica, remove it (one per GPU), "
+            "or raise gpusPerReplica",
+            holds=lambda t: (
+                "processesPerReplica" not in t
+                or t.get("gpusPerReplica", 1) == 0
+                or t["processesPerReplica"] <= t.get("gpusPerReplica", 1)
+            ),
+            field_path=".processesPerReplica",
+        ),
+        CelRule(
             rule=f"!has(self.sharding) || self.sharding != 'fsdp' || !{_POWERSGD_CEL}",
             message="spec.trainer.gradientCompression.type: powerSGD is a DDP communication hook; "
             "with spec.trainer.sharding fsdp use none, fp16 or bf16 (FSDP2's reduce dtype), or "
@@ -144,6 +167,13 @@ class Trainer(SpecModel):
             field_path=".cpuOffload",
         ),
     )
+
+
+def processes_per_replica(trainer: Trainer) -> int:
+    """Trainer (colocated: actor) processes per pod: the spec's count, else one per GPU, else 1."""
+    if trainer.processes_per_replica is not None:
+        return trainer.processes_per_replica
+    return max(trainer.gpus_per_replica, 1)
 
 
 def default_sharding(gradient_compression_type: str) -> Sharding:

@@ -26,6 +26,7 @@ __all__ = [
     "WeightSource",
     "build_engine",
     "make_engine",
+    "vllm_parallel_args",
 ]
 
 MAX_MODEL_LEN = 4096
@@ -50,17 +51,56 @@ def make_engine(
     raise ValueError(f"engine: unknown kind {kind!r}; choose one of {list(ENGINE_KINDS)}")
 
 
-def build_engine(config: WorkerConfig, *, seed: int) -> RolloutEngine:
-    """The job's configured engine on its model: vLLM in-process, or transformers.
+def vllm_parallel_args(
+    tensor_parallel_size: int, *, device_ids: list[int] | None = None
+) -> dict[str, Any]:
+    """``VLLMEngine`` arguments for an engine of ``tensor_parallel_size`` shards.
+
+    One shard runs in this process (the fast start and tensor hand-over of the in-process mode).
+    Several need one worker process per shard: vLLM's multiprocess executor (``mp``), with
+    weight pushes going through safetensors files that every shard loads its part of. On CPU
+    each shard binds the cores ``VLLM_CPU_OMP_THREADS_BIND`` names (the in-pod supervisor sets
+    it; vLLM's default binding wants one NUMA node per shard). ``device_ids``: the GPUs of this
+    engine among those the pod sees (vLLM's ``device_ids``; a colocated actor's own GPU)."""
+    args: dict[str, Any] = {"in_process": tensor_parallel_size <= 1}
+    engine_args: dict[str, Any] = {}
+    if tensor_parallel_size > 1:
+        engine_args["tensor_parallel_size"] = tensor_parallel_size
+        engine_args["distributed_executor_backend"] = "mp"
+    if device_ids is not None:
+        engine_args["device_ids"] = list(device_ids)
+    if engine_args:
+        args["engine_args"] = engine_args
+    return args
+
+
+def build_engine(
+    config: WorkerConfig, *, seed: int, local_rank: int | None = None
+) -> RolloutEngine:
+    """The job's configured engine on its model: vLLM (in-process with one shard), or
+    transformers.
 
     vLLM's context is the model's, capped at ``MAX_MODEL_LEN`` so a CPU KV cache stays small.
+    ``local_rank`` (a colocated actor among several in its pod, on GPU): the engine takes that
+    GPU of the pod, the one the actor's trainer rank uses.
     """
     model = config.model
     if config.rollout.engine == "vllm":
         raw = json.loads((Path(model.path) / "config.json").read_text())
         context = min(int(raw.get("max_position_embeddings", MAX_MODEL_LEN)), MAX_MODEL_LEN)
         return make_engine(
-            "vllm", model.path, seed=seed, in_process=True, dtype=model.dtype, max_model_len=context
+            "vllm",
+            model.path,
+            seed=seed,
+            dtype=model.dtype,
+            max_model_len=context,
+            gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+            **vllm_parallel_args(
+                config.rollout.tensor_parallel_size,
+                device_ids=[local_rank]
+                if local_rank is not None and config.device == "cuda"
+                else None,
+            ),
         )
     from rljob_workers.policy import DTYPES
 
