@@ -91,11 +91,14 @@ class RunResult:
 
 
 def default_processes(config: WorkerConfig) -> dict[Role, int]:
-    """Processes a job needs: ``trainer.replicas`` actors when colocated, else 1 rollout +
-    ``trainer.replicas`` trainers."""
+    """Processes a job needs: one per trainer rank (``trainer.replicas`` x
+    ``processes_per_replica``), actors when colocated; disaggregated also the engines of one
+    rollout pod (``rollout.engines_per_replica``). Locally every process is a rank of its own;
+    in a cluster the in-pod supervisor starts a pod's several."""
+    ranks = config.trainer.replicas * config.trainer.processes_per_replica
     if config.topology == "colocated":
-        return {"actor": config.trainer.replicas}
-    return {"rollout": 1, "trainer": config.trainer.replicas}
+        return {"actor": ranks}
+    return {"rollout": config.rollout.engines_per_replica, "trainer": ranks}
 
 
 def plan_processes(processes: Mapping[Role, int]) -> list[ProcessSpec]:
