@@ -420,6 +420,15 @@ HASH_NEUTRAL: dict[str, object] = {
     "rollout.sampling.top_k": 0,
     "rollout.sampling.min_p": 0.0,
     "endpoints.tls_dir": None,
+    # one process per pod as before; a pod given several GPUs runs one per GPU from its next
+    # (re)start, and the restart an upgrade gives it puts it on all of them
+    "trainer.processes_per_replica": 1,
+    "rollout.tensor_parallel_size": 1,
+    "rollout.engines_per_replica": 1,
+    # the engine's memory share: running pods keep theirs until their next restart
+    "rollout.gpu_memory_utilization": FromConfig(
+        lambda c: 0.5 if c.topology == "colocated" else 0.9
+    ),
 }
 """Worker-config fields added after the first release, by dotted path, with the value a job
 stored before the field existed renders now (the spec default, or what an unset field resolves

@@ -330,14 +330,14 @@ def test_cel_rules_all_have_message_naming_spec_path_and_reason() -> None:
 
 
 # A tiny interpreter for the CEL subset the rules use: literals, self, field selection, has(),
-# ! && || ?: == != < <= > >= in, + and list literals, map and list indexing, the all() and
+# ! && || ?: == != < <= > >= in, + (strings), * and % (integers) and list literals, map and list indexing, the all() and
 # filter() macros, startsWith,
 # string() and the Kubernetes quantity() library's isGreaterThan. Selecting an absent field is an
 # error, as in CEL, so a rule lacking a has() guard fails these tests.
 
 _TOKEN = re.compile(
     r"\s*(?:(?P<num>\d+\.\d+|\d+)|(?P<str>'[^']*')|(?P<id>[A-Za-z_]\w*)"
-    r"|(?P<op>&&|\|\||==|!=|<=|>=|[<>!?:()\[\],.+]))"
+    r"|(?P<op>&&|\|\||==|!=|<=|>=|[<>!?:()\[\],.+*%]))"
 )
 
 
@@ -383,7 +383,7 @@ class _Parser:
         self.take(":")
         return ("?", cond, then, self.ternary())
 
-    LEVELS = (("||",), ("&&",), ("==", "!=", "<", "<=", ">", ">=", "in"), ("+",))
+    LEVELS = (("||",), ("&&",), ("==", "!=", "<", "<=", ">", ">=", "in"), ("+",), ("*", "%"))
 
     def binary(self, level: int) -> Any:
         if level == len(self.LEVELS):
@@ -549,6 +549,12 @@ def _eval(node: Any, obj: Any, env: dict[str, Any] | None = None) -> Any:
         if not (isinstance(left, str) and isinstance(right, str)):
             raise CelError("+ on non-strings")
         return left + right
+    if op in ("*", "%"):
+        if not (type(left) is int and type(right) is int):
+            raise CelError(f"{op} on non-integers")
+        if op == "%" and right == 0:
+            raise CelError("modulus by zero")
+        return left * right if op == "*" else left % right
     return {
         "==": left == right,
         "!=": left != right,
@@ -833,6 +839,21 @@ COUNTEREXAMPLES = {
     },
     "toleration-control-plane": {
         "scheduling": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane"}]}
+    },
+    "processes-per-gpu": {"trainer": {"gpusPerReplica": 2, "processesPerReplica": 3}},
+    "tp-divides-gpus": {
+        "topology": "disaggregated",
+        "algorithm": {"name": "dapo"},
+        "rollout": {"gpusPerReplica": 4, "tensorParallelSize": 3},
+    },
+    "engines-fit-gpus": {
+        "topology": "disaggregated",
+        "algorithm": {"name": "dapo"},
+        "rollout": {"gpusPerReplica": 4, "tensorParallelSize": 2, "enginesPerReplica": 3},
+    },
+    "colocated-tp": {
+        "topology": "colocated",
+        "rollout": {"gpusPerReplica": 2, "tensorParallelSize": 2},
     },
     "env-from-prefix": {
         "trainer": {

@@ -113,7 +113,13 @@ def test_reconcile_new_job_creates_every_child_pending() -> None:
     assert plan.status is not None
     assert plan.status["phase"] == "Pending"
     assert plan.status["resolvedTopology"] == "disaggregated"
-    assert plan.status["rollout"] == {"ready": 0, "desired": 2}
+    assert plan.status["rollout"] == {
+        "ready": 0,
+        "desired": 2,
+        "processesPerPod": 1,
+        "worldSize": 2,
+        "tensorParallelSize": 1,
+    }
 
 
 def test_reconcile_all_ready_becomes_running_then_no_change() -> None:

@@ -49,6 +49,21 @@ class RoleStatus(StatusModel):
 
     ready: int = Field(0, ge=0, description="Pods running and ready.")
     desired: int = Field(0, ge=0, description="Pods the operator wants.")
+    processes_per_pod: int | None = Field(
+        None,
+        ge=1,
+        description="Worker processes in each pod: trainer (actor) ranks, one per GPU, or "
+        "rollout engines.",
+    )
+    world_size: int | None = Field(
+        None,
+        ge=0,
+        description="Processes of the role over its desired pods: the trainer group's world "
+        "size, or the rollout engines sharing out the prompts.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Rollout engines: GPUs each engine shards the model over."
+    )
 
 
 class Restarts(StatusModel):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljob_operator.api import RLJobSpec
+from rljob_operator.api import RLJobSpec, tensor_parallel_size
 from rljob_operator.builders import (
     LABEL_INDEX,
     JobRef,
     checkpoint_claim_name,
+    processes_per_pod,
     role_replicas,
     roles_for,
 )
@@ -172,6 +173,16 @@ def _finished_plan(ctx: _Job, patches: tuple[WorkloadPatch, ...]) -> Plan:
     return Plan(job_key=key, workload_patches=patches)
 
 
+def _processes(spec: RLJobSpec, role: str, counts: dict[str, int]) -> dict[str, int]:
+    """A role's processes in the status: per pod, over its desired pods, and each rollout
+    engine's tensor-parallel size."""
+    per_pod = processes_per_pod(spec, role)  # type: ignore[arg-type]
+    out = {"processesPerPod": per_pod, "worldSize": per_pod * counts["desired"]}
+    if role == "rollout":
+        out["tensorParallelSize"] = tensor_parallel_size(spec.rollout)
+    return out
+
+
 def _fill_status(ctx: _Job, work: _Pass) -> None:
     spec, topology, observed, old = ctx.spec, ctx.topology, ctx.observed, ctx.old
     generation, now = ctx.generation, ctx.now
@@ -220,12 +231,15 @@ def _fill_status(ctx: _Job, work: _Pass) -> None:
             status["message"] = work.kueue.message
     lead = "actor" if topology == "colocated" else "rollout"
     empty = {"ready": 0, "desired": 0}
+    shown = {
+        role: {**counts, **_processes(spec, role, counts)} for role, counts in per_role.items()
+    }
     status.update(
         {
             "observedGeneration": generation,
             "resolvedTopology": topology,
-            "rollout": per_role.get("rollout", per_role.get("actor", empty)),
-            "trainer": per_role.get("trainer", per_role.get("actor", empty)),
+            "rollout": shown.get("rollout", shown.get("actor", empty)),
+            "trainer": shown.get("trainer", shown.get("actor", empty)),
             "rolloutReplicas": per_role[lead]["ready"],
             "rolloutReadyText": "{ready}/{desired}".format(**per_role[lead]),
             "rolloutSelector": f"rljob.io/job={ref.name},rljob.io/role={lead}",
