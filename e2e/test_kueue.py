@@ -248,6 +248,18 @@ def test_quota_admits_one_job_then_the_next_after_delete(
         ("rollout", 2),
         ("trainer", 2),
     ]
+    # the per-pod GPU counts reach Kueue, and the pods run one process per GPU (trainers) or
+    # one engine of tensor parallel 2 (rollouts)
+    gpus = {
+        p["name"]: p["template"]["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"]
+        for p in first_wl[0]["spec"]["podSets"]
+    }
+    assert gpus == {"rollout": "2", "trainer": "4"}
+    for pod in pods(kcluster, ns, "first"):
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        role = pod["metadata"]["labels"]["rljob.io/role"]
+        assert env["RLJOB_LOCAL_WORLD_SIZE"] == {"trainer": "4", "rollout": "1"}[role]
+        assert env["RLJOB_WORLD_SIZE"] == {"trainer": "8", "rollout": "2"}[role]
     wait_for(lambda: running(kcluster, ns, "plain"), 90, "job without a queue name Running")
     assert workloads(kcluster, ns, "plain") == []
     assert "kueue" not in status(kcluster, ns, "plain")

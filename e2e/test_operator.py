@@ -3,6 +3,8 @@
 - each example (GRPO colocated, PPO colocated, DAPO disaggregated) reaches pods Running on fake GPU
   nodes and RLJob phase Running, with conditions, Events and printer columns, and a NetworkPolicy
   that fences its pods;
+- pods of several GPUs (2 trainers x 8, 2 rollouts x 4 with 2 engines each) place on 8-GPU
+  nodes as requested, with one rank per GPU in their environment and status;
 - ``kubectl explain`` shows the API documentation;
 - ``kubectl scale rljob/x --replicas=3`` changes the rollout pods (scale subresource);
 - ``kubectl delete rljob`` removes every child;
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -100,6 +103,70 @@ def test_example_reaches_running_on_gpu_nodes(
         "get", "events", "-n", namespace, f"--field-selector=involvedObject.name={example}"
     ).stdout
     assert "CreatedPods" in events and "Running" in events
+
+
+def _env(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_every_gpu_pods_place_as_requested_on_8_gpu_nodes(
+    cluster: LocalCluster, live_operator: OperatorProcess, namespace: str
+) -> None:
+    """2 trainer pods x 8 GPUs (8 ranks each) and 2 rollout pods x 4 GPUs (2 engines of TP 2)
+    on kwok nodes of 8 GPUs: each trainer pod fills a node, the rollouts share the others, and
+    every pod's ranks and the status say the same."""
+    raw = yaml.safe_load((REPO / "examples" / "dapo-disaggregated.yaml").read_text())
+    raw["metadata"]["name"] = "every-gpu"
+    raw["spec"]["trainer"]["gpusPerReplica"] = 8
+    raw["spec"]["rollout"].update({"gpusPerReplica": 4, "tensorParallelSize": 2})
+    raw["spec"]["algorithm"]["batchSize"] = 16  # prompts split over 16 trainer ranks
+    raw["spec"]["algorithm"]["miniBatchSize"] = 16
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(raw))
+    # whole free nodes are needed: pods of earlier tests' namespaces may still be going
+    wait_running(cluster, namespace, "every-gpu", 4, timeout=240)
+    pods = {p["metadata"]["name"]: p for p in job_pods(cluster, namespace, "every-gpu")}
+    gpus_on: dict[str, int] = {}
+    for pod in pods.values():
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        node = pod["spec"]["nodeName"]
+        gpus_on[node] = gpus_on.get(node, 0) + int(limits["nvidia.com/gpu"])
+    assert all(used <= 8 for used in gpus_on.values()), gpus_on
+    trainers = [pods[f"every-gpu-trainer-{i}"] for i in (0, 1)]
+    rollouts = [pods[f"every-gpu-rollout-{i}"] for i in (0, 1)]
+    trainer_nodes = {t["spec"]["nodeName"] for t in trainers}
+    assert len(trainer_nodes) == 2  # a whole 8-GPU node each
+    assert {gpus_on[n] for n in trainer_nodes} == {8}
+    assert not trainer_nodes & {r["spec"]["nodeName"] for r in rollouts}
+    for i, trainer in enumerate(trainers):
+        env = _env(trainer)
+        assert trainer["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"
+        assert (env["RLJOB_RANK"], env["RLJOB_WORLD_SIZE"]) == (str(8 * i), "16")
+        assert (env["RLJOB_LOCAL_WORLD_SIZE"], env["RLJOB_GPUS"]) == ("8", "8")
+    for i, rollout in enumerate(rollouts):
+        env = _env(rollout)
+        assert rollout["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert (env["RLJOB_RANK"], env["RLJOB_WORLD_SIZE"]) == (str(2 * i), "4")
+        assert env["RLJOB_LOCAL_WORLD_SIZE"] == "2"
+    status = get_json(cluster, "rljob", "every-gpu", "-n", namespace)["status"]
+    assert status["trainer"] == {
+        "ready": 2,
+        "desired": 2,
+        "processesPerPod": 8,
+        "worldSize": 16,
+    }
+    assert status["rollout"] == {
+        "ready": 2,
+        "desired": 2,
+        "processesPerPod": 2,
+        "worldSize": 4,
+        "tensorParallelSize": 2,
+    }
+    config = json.loads(
+        get_json(cluster, "configmap", "every-gpu-config", "-n", namespace)["data"]["config.json"]
+    )
+    assert config["rollout"]["tensor_parallel_size"] == 2
+    assert config["rollout"]["engines_per_replica"] == 2
+    assert config["trainer"]["processes_per_replica"] == 8
 
 
 def test_explain_staleness_shows_documentation(cluster: LocalCluster, crd: None) -> None:

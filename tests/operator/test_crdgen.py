@@ -330,8 +330,8 @@ def test_cel_rules_all_have_message_naming_spec_path_and_reason() -> None:
 
 
 # A tiny interpreter for the CEL subset the rules use: literals, self, field selection, has(),
-# ! && || ?: == != < <= > >= in, + (strings), * and % (integers) and list literals, map and list indexing, the all() and
-# filter() macros, startsWith,
+# ! && || ?: == != < <= > >= in, + (strings), * and % (integers), list literals, map and list
+# indexing, the all() and filter() macros, startsWith,
 # string() and the Kubernetes quantity() library's isGreaterThan. Selecting an absent field is an
 # error, as in CEL, so a rule lacking a has() guard fails these tests.
 
@@ -840,7 +840,8 @@ COUNTEREXAMPLES = {
     "toleration-control-plane": {
         "scheduling": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane"}]}
     },
-    "processes-per-gpu": {"trainer": {"gpusPerReplica": 2, "processesPerReplica": 3}},
+    "processes-per-gpu": {"trainer": {"gpusPerReplica": 2, "processesPerReplica": 4}},
+    "batch-over-ranks": {"trainer": {"replicas": 3, "gpusPerReplica": 4}},
     "tp-divides-gpus": {
         "topology": "disaggregated",
         "algorithm": {"name": "dapo"},

@@ -3,7 +3,8 @@ across them, and the defaults that depend on more than one area."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Self
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -47,6 +48,18 @@ _ON_POLICY_FIX = (
     " is on-policy; with topology disaggregated set spec.staleness.correction "
     "(decoupledPPO|tis|mis) and spec.staleness.maxVersions"
 )
+
+
+_RANKS_PER_POD_CEL = (
+    "(has(self.trainer.processesPerReplica) ? self.trainer.processesPerReplica : "
+    "(self.trainer.gpusPerReplica > 0 ? self.trainer.gpusPerReplica : 1))"
+)
+
+
+def _trainer_ranks(trainer: Mapping[str, Any]) -> int:
+    """The trainer world size on the JSON CEL sees (``processes_per_replica`` x replicas)."""
+    per_pod = trainer.get("processesPerReplica") or max(trainer.get("gpusPerReplica", 1), 1)
+    return int(trainer.get("replicas", 1)) * int(per_pod)
 
 
 class _SpecCommon(SpecModel):
@@ -178,6 +191,15 @@ class _SpecCommon(SpecModel):
                 < s["rollout"]["sampling"]["maxTokens"]
             ),
             field_path=".algorithm.overlongBuffer.cacheLength",
+        ),
+        CelRule(
+            rule=f"self.algorithm.batchSize % (self.trainer.replicas * {_RANKS_PER_POD_CEL}) == 0",
+            message="spec.algorithm.batchSize must be a multiple of the trainer ranks "
+            "(spec.trainer.replicas x processesPerReplica, one process per GPU by default): "
+            "each rank takes an equal share of the prompts; raise batchSize, or change "
+            "replicas or processesPerReplica",
+            holds=lambda s: s["algorithm"]["batchSize"] % _trainer_ranks(s["trainer"]) == 0,
+            field_path=".algorithm.batchSize",
         ),
         CelRule(
             rule="self.topology != 'colocated' || "
