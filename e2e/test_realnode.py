@@ -23,6 +23,11 @@
   step 0); then Succeeded. The test prints, for the
   trainer kill and for the suspend/resume, the step before, the step resumed from and the
   seconds until a step after it;
+- pods of several processes (issue 24; CPU processes stand in for GPUs): 2 trainer pods x 2
+  ranks (one FSDP group of 4) fed by 1 rollout pod of 2 vLLM engines run each rank under the
+  in-pod supervisor, report once per pod, and a SIGKILL of one local rank makes its pod fail
+  with exit code 137, a counted group restart and a resume from the checkpoint with new
+  versions; the job reaches Succeeded with its reward above the first step's;
 - with ``checkpoint.ephemeral`` (an emptyDir, really deleted with the pod) a Warning Event says
   so; killing the actor process restarts the gang from step 0 (the GroupRestart Event says why),
   with no resumeFrom and no lastCheckpoint left pointing at the lost checkpoint.
@@ -692,3 +697,126 @@ def test_ephemeral_checkpoints_die_with_the_pod_and_the_restart_says_step_0(
         )
     finally:
         _delete_job(real_cluster, ns, name)
+
+
+def _rank_pids(pod: str) -> dict[int, int]:
+    """Host pids of the supervised processes of ``pod`` by local rank (none: one process)."""
+    want = f"POD_NAME={pod}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"rljob_workers.main" not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        local = [v for v in env if v.startswith(b"RLJOB_LOCAL_RANK=")]
+        if want in env and local:
+            found[int(local[0].split(b"=", 1)[1])] = int(entry.name)
+    return found
+
+
+def _rollout_reports(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    out = cluster.kubectl("get", "configmap", f"{name}-rollout-progress", "-n", ns, "-o", "json")
+    data = json.loads(out.stdout).get("data") or {}
+    return {k: json.loads(v) for k, v in data.items() if k.startswith("rollout-")}
+
+
+@pytest.mark.timeout(2400)  # 6 worker processes (2 of them vLLM engines) on 2 shared cores
+def test_pods_of_several_ranks_and_engines_train_and_fail_over_as_a_group(
+    real_cluster: LocalCluster, chart_operator: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 24 on real pods (CPU processes stand in for GPUs): 2 trainer pods x 2 ranks (one
+    FSDP group of 4 over gloo) and 1 rollout pod of 2 vLLM engines. Each pod runs its ranks under
+    the in-pod supervisor and reports once; killing one local rank ends its pod, the operator
+    restarts the trainer group, which resumes from the checkpoint with new versions; then the
+    job reaches Succeeded and its reward rose."""
+    root = Path(tmp_path_factory.mktemp("volumes"))
+    ns = _job_namespace(real_cluster, root)
+    job = real_job("dapo-disaggregated", steps=40)
+    name = job["metadata"]["name"] = "ranks"
+    spec = job["spec"]
+    spec["trainer"]["processesPerReplica"] = 2
+    spec["rollout"].update(
+        {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "enginesPerReplica": 2}
+    )
+    # two engines (vLLM processes) in one pod: more memory than the one-engine pod's 6 Gi
+    spec["rollout"]["resources"] = {
+        "requests": {"cpu": "500m", "memory": "3Gi"},
+        "limits": {"memory": "10Gi"},
+    }
+    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    trainers = f"rljob.io/job={name},rljob.io/role=trainer"
+
+    def step_at_least(n: int) -> bool:
+        return int(_status(real_cluster, ns, name).get("step") or 0) >= n
+
+    wait_for(lambda: step_at_least(2), 1200, "two steps of 4 trainer ranks fed by 2 engines")
+    first_reward = _lead_report(real_cluster, ns, name).get("reward_mean")
+    st = _status(real_cluster, ns, name)
+    assert st["trainer"]["processesPerPod"] == 2 and st["trainer"]["worldSize"] == 4, st
+    assert st["rollout"]["processesPerPod"] == 2 and st["rollout"]["worldSize"] == 2, st
+    # every rank is a process of its pod, under the pod's supervisor
+    for pod in (f"{name}-trainer-0", f"{name}-trainer-1", f"{name}-rollout-0"):
+        assert sorted(_rank_pids(pod)) == [0, 1], pod
+    # one report per pod: the rollout pod's two engines under one key, merged
+    reports = wait_for(
+        lambda: _rollout_reports(real_cluster, ns, name) or None, 120, "the rollout pod's report"
+    )
+    assert sorted(reports) == ["rollout-0"], reports
+    logs = real_cluster.kubectl("logs", "-n", ns, f"{name}-trainer-1").stdout
+    assert "started trainer rank 3 (local rank 1 of 2" in logs, logs[-2000:]
+
+    # one local rank dies: its pod ends with the rank's code, the group restarts from the
+    # checkpoint and its versions continue past every version published before
+    wait_for(lambda: _status(real_cluster, ns, name).get("lastCheckpoint"), 900, "a checkpoint")
+    old = _uids(real_cluster, ns, trainers)
+    victim = _rank_pids(f"{name}-trainer-1").get(1)
+    assert victim, "no local rank 1 in trainer pod 1"
+    at_kill = _lead_report(real_cluster, ns, name)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    wait_for(
+        lambda: int((_status(real_cluster, ns, name).get("restarts") or {}).get("trainer", 0)) >= 1,
+        300,
+        "the trainer group restart counted",
+    )
+    resume_from = str(_status(real_cluster, ns, name).get("resumeFrom") or "")
+    assert resume_from, _status(real_cluster, ns, name)
+    resumed_step = int(resume_from.rsplit("-", 1)[1])
+    wait_for(
+        lambda: set(_uids(real_cluster, ns, trainers).values()).isdisjoint(old.values()),
+        300,
+        "new trainer pods",
+    )
+    after: Any = wait_for(
+        lambda: _trained_since(real_cluster, ns, name, killed_at, resumed_step),
+        900,
+        "a step of the restarted trainer group",
+        interval=1.0,
+    )
+    print(
+        f"local rank kill on real pods: step {at_kill['step']} (version "
+        f"{at_kill['policy_version']}) at the kill, resumed from step {resumed_step}, first "
+        f"step after it {after['step']} (version {after['policy_version']}) "
+        f"{after['time'] - killed_at:.0f}s after the kill"
+    )
+    assert after["policy_version"] > at_kill["policy_version"]  # no version reused
+    # the pod failed with the killed rank's code (128 + SIGKILL), as a one-process pod would
+    restarts = _events(real_cluster, ns, "GroupRestart")
+    assert any(f"{name}-trainer-1: Failed (exit code 137)" in m for m in restarts), restarts
+
+    wait_for(
+        lambda: _status(real_cluster, ns, name).get("phase") in ("Succeeded", "Failed"),
+        1800,
+        "the job to finish",
+    )
+    st = _status(real_cluster, ns, name)
+    assert st["phase"] == "Succeeded", json.dumps(st, indent=1)
+    last_reward = _lead_report(real_cluster, ns, name).get("reward_mean")
+    print(f"4 trainer ranks + 2 engines on real pods: reward {first_reward} -> {last_reward}")
+    assert first_reward is not None and last_reward is not None
+    assert last_reward > first_reward
+    _delete_job(real_cluster, ns, name)
