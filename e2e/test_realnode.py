@@ -747,7 +747,8 @@ def test_pods_of_several_ranks_and_engines_train_and_fail_over_as_a_group(
         "requests": {"cpu": "500m", "memory": "3Gi"},
         "limits": {"memory": "10Gi"},
     }
-    real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    applied = real_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(job), check=False)
+    assert applied.returncode == 0, applied.stderr
     trainers = f"rljob.io/job={name},rljob.io/role=trainer"
 
     def step_at_least(n: int) -> bool:

@@ -6,6 +6,7 @@ Importing this package never imports vllm; ``make_engine("vllm", ...)`` does, la
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -74,6 +75,19 @@ def vllm_parallel_args(
     return args
 
 
+def _bind_cpu_shards(config: WorkerConfig) -> None:
+    """A CPU engine of several tensor-parallel shards binds one core range per shard
+    (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's default wants a NUMA node per shard and refuses).
+    The in-pod supervisor sets it per engine; a process on its own (a local run) gets its
+    cores split here. A value already set is kept."""
+    tp = config.rollout.tensor_parallel_size
+    if tp <= 1 or config.device != "cpu" or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    from rljob_workers.supervisor import cpu_bind
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(sorted(os.sched_getaffinity(0)), 0, 1, tp)
+
+
 def build_engine(
     config: WorkerConfig, *, seed: int, local_rank: int | None = None
 ) -> RolloutEngine:
@@ -86,6 +100,7 @@ def build_engine(
     """
     model = config.model
     if config.rollout.engine == "vllm":
+        _bind_cpu_shards(config)
         raw = json.loads((Path(model.path) / "config.json").read_text())
         context = min(int(raw.get("max_position_embeddings", MAX_MODEL_LEN)), MAX_MODEL_LEN)
         return make_engine(
