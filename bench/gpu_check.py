@@ -12,6 +12,12 @@ optimizer state this rank holds, and ``rljob plan``'s per-rank estimate for the 
     python -m bench.gpu_check [--steps 6] [--rows 8] [--prompt 512] [--response 512]
         [--micro-batch-tokens 4096] [--out bench/results/gpu_check.json]
 
+First it runs the in-pod supervisor (``rljob_workers.supervisor``) with one rank per visible GPU
+(one on a one-GPU machine), each joining an NCCL group on ``cuda:LOCAL_RANK`` and all-reducing
+its rank (``--no-supervisor`` skips it). Tensor-parallel vLLM needs two GPUs or more and vLLM
+(the lent image has none): its arguments are covered by unit tests, and TP=2 runs for real on
+CPU (``tests/workers/engine/test_vllm_tensor_parallel.py``).
+
 No test or CI step depends on it; run it where a GPU is lent (docs/benchmarks.md "GPU check").
 """
 
@@ -328,6 +334,78 @@ def plan_estimate(args: argparse.Namespace, variant: str) -> dict[str, Any] | No
     }
 
 
+RANK_CHILD = """
+import json, os, sys, torch, torch.distributed as dist
+from rljob_workers.ddp import init_process_group_from_env
+ctx = init_process_group_from_env(sys.argv[1])
+value = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
+dist.all_reduce(value)
+where = torch.cuda.current_device() if ctx.device.type == "cuda" else -1
+out = {"rank": ctx.rank, "local_rank": ctx.local_rank, "world": ctx.world_size,
+       "backend": ctx.backend, "device": str(ctx.device), "current_device": where,
+       "sum": value.item()}
+open(os.path.join(sys.argv[2], f"rank-{ctx.rank}.json"), "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def run_supervisor_check(processes: int, backend: str) -> dict[str, Any]:
+    """The in-pod supervisor (``rljob_workers.supervisor``) starting ``processes`` ranks of one
+    pod with torchrun's variables; each joins the process group (NCCL on GPU: ``cuda:LOCAL_RANK``)
+    and all-reduces its rank. Checks the ranks, the devices and the sum."""
+    from rljob_workers.config import AlgorithmConfig, ModelConfig, WorkerConfig
+    from rljob_workers.ports import free_port
+    from rljob_workers.supervisor import Supervisor
+
+    config = WorkerConfig(
+        job_name="gpu-check",
+        topology="colocated",
+        algorithm=AlgorithmConfig(name="grpo", advantage_estimator="grpo"),
+        model=ModelConfig(path="/unused"),
+    )
+    with tempfile.TemporaryDirectory(prefix="gpu-check-ranks-") as folder:
+        script = Path(folder) / "rank.py"
+        script.write_text(RANK_CHILD)
+        environ = {
+            **os.environ,
+            "RLJOB_ROLE": "actor",
+            "RLJOB_RANK": "0",
+            "RLJOB_REPLICA": "0",
+            "RLJOB_WORLD_SIZE": str(processes),
+            "RLJOB_LOCAL_WORLD_SIZE": str(processes),
+            "RLJOB_GPUS": str(processes if backend == "nccl" else 0),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "RLJOB_PROGRESS_DIR": folder,
+        }
+        started = time.perf_counter()
+        supervisor = Supervisor(
+            config,
+            environ,
+            command=[sys.executable, str(script), backend, folder],
+            writer=_NoReport(),
+        )
+        supervisor.start()
+        code = supervisor.wait()
+        took = time.perf_counter() - started
+        ranks = [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank-*.json"))]
+    expected = float(sum(range(1, processes + 1)))
+    ok = (
+        code == 0
+        and len(ranks) == processes
+        and all(r["sum"] == expected and r["world"] == processes for r in ranks)
+        and all(r["rank"] == r["local_rank"] for r in ranks)
+        and (backend != "nccl" or all(r["current_device"] == r["local_rank"] for r in ranks))
+    )
+    return {"processes": processes, "backend": backend, "exit": code, "ok": ok,
+            "seconds": took, "ranks": ranks}  # fmt: skip
+
+
+class _NoReport:
+    def write(self, progress: Any) -> None:
+        del progress
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -339,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="fsdp,fsdp-cpu-offload,ddp,learner,learner-offload")
     parser.add_argument("--out", default="bench/results/gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU (no GPU)")
+    parser.add_argument(
+        "--no-supervisor", action="store_true", help="skip the in-pod supervisor check"
+    )
     args = parser.parse_args(argv)
     global DEVICE, SHAPE
     if args.smoke:
@@ -350,6 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it where a GPU is lent", file=sys.stderr)
         return 2
+    supervised = None
+    if not args.no_supervisor:  # before this process joins a group of its own
+        gpus = torch.cuda.device_count() if DEVICE == "cuda" else 2
+        supervised = run_supervisor_check(gpus, "nccl" if DEVICE == "cuda" else "gloo")
+        _log(
+            f"in-pod supervisor: {supervised['processes']} rank(s) over {supervised['backend']}, "
+            f"exit {supervised['exit']}, {'ok' if supervised['ok'] else 'FAILED'} "
+            f"in {supervised['seconds']:.1f}s"
+        )
     _init_group()
     name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)"
     _log(f"{name}, torch {torch.__version__}")
@@ -379,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": SHAPE,
         "args": vars(args),
         "results": results,
+        "supervisor": supervised,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out = Path(os.environ["OUT"]) / Path(args.out).name if os.environ.get("OUT") else Path(args.out)
@@ -388,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(body, indent=1))
     _log(f"wrote {out}")
     dist.destroy_process_group()
-    return 0
+    return 0 if supervised is None or supervised["ok"] else 1
 
 
 if __name__ == "__main__":

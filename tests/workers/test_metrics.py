@@ -77,6 +77,17 @@ def test_worker_metrics_endpoint_serves_every_step_gauge_with_labels(exporter):
     assert f"rljob_step_time_seconds_count{{{labels}}} 1.0" in text
 
 
+def test_worker_metrics_show_the_process_layout(exporter):
+    """Issue 24: world size, processes per pod and each engine's TP size, per process."""
+    port = exporter.serve(0)
+    exporter.set_layout(world_size=16, processes_per_pod=8, tensor_parallel=1)
+    text = _scrape(port)
+    labels = 'job="demo",quantity="{}",rank="1",role="actor"'
+    assert f"rljob_worker_layout{{{labels.format('world_size')}}} 16.0" in text
+    assert f"rljob_worker_layout{{{labels.format('processes_per_pod')}}} 8.0" in text
+    assert f"rljob_worker_layout{{{labels.format('tensor_parallel_size')}}} 1.0" in text
+
+
 def test_worker_metrics_accelerator_absent_on_cpu_is_not_exported_as_zero(exporter):
     port = exporter.serve(0)
     cpu_step = {k: v for k, v in STEP.items() if not k.startswith("accelerator")}

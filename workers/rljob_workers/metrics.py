@@ -146,8 +146,25 @@ class WorkerMetrics:
             names,
             registry=self.registry,
         )
+        self._layout = Gauge(
+            "rljob_worker_layout",
+            "Where this process sits: world_size (processes of its role over all pods), "
+            "processes_per_pod (ranks or engines in its pod), tensor_parallel_size (GPUs one "
+            "rollout engine spans)",
+            [*names, "quantity"],
+            registry=self.registry,
+        )
         self.port: int | None = None
         self._server: Any = None
+
+    def set_layout(self, *, world_size: int, processes_per_pod: int, tensor_parallel: int) -> None:
+        """The process's place in its job (constant for the life of the process)."""
+        for quantity, value in (
+            ("world_size", world_size),
+            ("processes_per_pod", processes_per_pod),
+            ("tensor_parallel_size", tensor_parallel),
+        ):
+            self._layout.labels(**self._labels, quantity=quantity).set(value)
 
     def serve(self, port: int, *, addr: str = "0.0.0.0") -> int:
         """Start the ``/metrics`` HTTP endpoint; return the bound port.
@@ -280,6 +297,11 @@ class RoleReporter:
         self.config = config
         self.env = env
         self.exporter = WorkerMetrics(job=config.job_name, role=env.role, rank=env.rank)
+        self.exporter.set_layout(
+            world_size=env.world_size,
+            processes_per_pod=env.local_world_size,
+            tensor_parallel=config.rollout.tensor_parallel_size if env.role == "rollout" else 1,
+        )
         self.metrics_port = self.exporter.serve(config.endpoints.metrics_port)
         log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         self.sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
