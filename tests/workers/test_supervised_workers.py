@@ -163,3 +163,44 @@ def test_disaggregated_two_trainer_ranks_and_two_engines_in_one_pod_each(
     assert _records(tmp_path, "rollout", 0) and _records(tmp_path, "rollout", 1)
     progress = tmp_path / "progress"
     assert sorted(p.name for p in progress.glob("*.json")) == ["rollout-0.json", "trainer-0.json"]
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_pod_stops_every_rank_after_one_step_with_a_checkpoint(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A graceful pod deletion under the supervisor: both ranks finish the same step, rank 0
+    saves it, the pod leaves with 0 and its one report names the checkpoint (not done)."""
+    import signal
+    import time
+
+    from rljob_workers.checkpoint import latest_checkpoint
+
+    config = _config(
+        tiny_model,
+        tmp_path,
+        total_steps=500,
+        checkpoint={"dir": str(tmp_path / "checkpoints"), "every_steps": 1000},
+    )
+    pod = _pod(config, tmp_path, "actor", 0, 2, 1)
+    try:
+        deadline = time.monotonic() + 300
+        log = tmp_path / "metrics-actor-0.jsonl"
+        while time.monotonic() < deadline and pod.poll() is None:
+            if log.is_file() and len(log.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert pod.poll() is None, "the pod ended before the SIGTERM"
+        pod.send_signal(signal.SIGTERM)
+        out, _ = pod.communicate(timeout=240)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+    assert pod.returncode == 0, out[-4000:]
+    assert "passing it to every process of the pod" in out
+    rank0, rank1 = _records(tmp_path, "actor", 0), _records(tmp_path, "actor", 1)
+    assert len(rank0) == len(rank1) < 500  # both left after the same step
+    saved = latest_checkpoint(tmp_path / "checkpoints")
+    assert saved is not None and saved.name == f"step-{len(rank0):08d}"
+    report = Progress.model_validate_json((tmp_path / "progress" / "actor-0.json").read_text())
+    assert report.last_checkpoint == str(saved) and not report.done

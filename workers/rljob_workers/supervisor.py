@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -277,10 +278,10 @@ class Supervisor:
         self.local_world = int(environ[LOCAL_WORLD_SIZE_ENV])
         self.command = list(command or [sys.executable, "-m", "rljob_workers.main"])
         self.sibling_grace_s = sibling_grace_s
-        self.progress_dir = Path(
-            environ.get(PROGRESS_DIR_ENV) or tempfile.mkdtemp(prefix="rljob-progress-")
-        )
+        given = environ.get(PROGRESS_DIR_ENV)
+        self.progress_dir = Path(given or tempfile.mkdtemp(prefix="rljob-progress-"))
         self.progress_dir.mkdir(parents=True, exist_ok=True)
+        self._own_progress_dir = not given
         self.writer = writer or heartbeat_from_env(
             config.job_namespace, config.job_name, config.output_dir, _operator_schema(environ)
         )
@@ -333,6 +334,14 @@ class Supervisor:
         self.signal_all(signal.SIGKILL)
         for child in self.children:
             child.process.wait()
+
+    def close(self) -> None:
+        """End any process still running and remove the report files this supervisor made."""
+        self.signal_all(signal.SIGKILL)
+        for child in self.children:
+            child.process.wait()
+        if self._own_progress_dir:
+            shutil.rmtree(self.progress_dir, ignore_errors=True)
 
     def wait(self) -> int:
         """Watch until every process left; the pod's exit code."""
@@ -396,7 +405,10 @@ def run_supervisor(
     )
     signal.signal(signal.SIGTERM, supervisor.on_sigterm)
     signal.signal(signal.SIGINT, supervisor.on_sigterm)
-    supervisor.start()
-    code = supervisor.wait()
+    try:
+        supervisor.start()
+        code = supervisor.wait()
+    finally:
+        supervisor.close()
     log.info("every process of the pod left; exit %d", code)
     return code
