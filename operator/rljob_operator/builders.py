@@ -630,6 +630,9 @@ def build_pod_group(spec: RLJobSpec, job: JobRef, topology: Topology) -> dict[st
     total = sum(role_replicas(spec, r) for r in roles_for(topology))
     flavour = gang_flavour(spec)
     group_spec: dict[str, Any] = {"minMember": total}
+    gpus = sum(role_replicas(spec, r) * role_gpus(spec, r) for r in roles_for(topology))
+    if gpus:  # the whole gang's GPUs: placed together only where all of them are free
+        group_spec["minResources"] = {"nvidia.com/gpu": str(gpus)}
     if flavour == VOLCANO:
         if spec.scheduling.queue:
             group_spec["queue"] = spec.scheduling.queue

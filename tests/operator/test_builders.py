@@ -320,6 +320,7 @@ def test_build_children_gang_adds_pod_group_and_pod_labels() -> None:
     group = next(o for o in objs if o["kind"] == "PodGroup")
     assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
     assert group["spec"]["minMember"] == 4
+    assert group["spec"]["minResources"] == {"nvidia.com/gpu": "4"}  # 2 + 2 pods of 1 GPU
     pods = [o for o in objs if o["kind"] == "Pod"]
     assert {p["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] for p in pods} == {"demo"}
     volcano = load_example(
@@ -328,10 +329,24 @@ def test_build_children_gang_adds_pod_group_and_pod_labels() -> None:
     objs = build_children(volcano, REF, "disaggregated", token="T", restart_epochs={})
     group = next(o for o in objs if o["kind"] == "PodGroup")
     assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1"
-    assert group["spec"] == {"minMember": 4, "queue": "rl"}
+    assert group["spec"] == {
+        "minMember": 4,
+        "minResources": {"nvidia.com/gpu": "4"},
+        "queue": "rl",
+    }
     pod = next(o for o in objs if o["kind"] == "Pod")
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "demo"
     assert pod["spec"]["schedulerName"] == "volcano"
+    wide = load_example(
+        "dapo-disaggregated",
+        scheduling={"gang": True},
+        trainer={"replicas": 2, "gpusPerReplica": 8},
+        rollout={"replicas": 2, "gpusPerReplica": 4},
+        algorithm={"name": "dapo", "batchSize": 16, "miniBatchSize": 16},
+    )
+    objs = build_children(wide, REF, "disaggregated", token="T", restart_epochs={})
+    group = next(o for o in objs if o["kind"] == "PodGroup")
+    assert group["spec"]["minResources"] == {"nvidia.com/gpu": "24"}  # 2 x 8 + 2 x 4
 
 
 def test_build_pod_hygiene_probe_requests_shm_grace_gpu_toleration() -> None:
