@@ -165,6 +165,27 @@ def test_sharding_and_precision_rules_refused_with_the_operators_message(
     assert_refused_with_the_operators_message(cluster, patch, field)
 
 
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"trainer": {"gpusPerReplica": 2, "processesPerReplica": 4}}, "processesPerReplica"),
+        ({"rollout": {"gpusPerReplica": 4, "tensorParallelSize": 3}}, "tensorParallelSize"),
+        (
+            {"rollout": {"gpusPerReplica": 4, "tensorParallelSize": 2, "enginesPerReplica": 3}},
+            "enginesPerReplica",
+        ),
+        ({"trainer": {"replicas": 3, "gpusPerReplica": 4}}, "batchSize"),
+    ],
+    ids=["processes-over-gpus", "tp-not-dividing", "engines-over-gpus", "batch-over-ranks"],
+)
+def test_every_gpu_rules_refused_with_the_operators_message(
+    cluster: LocalCluster, crd: None, patch: dict[str, Any], field: str
+) -> None:
+    """Issue 24: ranks and engines per pod must fit the pod's GPUs, TP must divide them, and
+    the batch must split over the trainer ranks; the API server says so as pydantic does."""
+    assert_refused_with_the_operators_message(cluster, patch, field)
+
+
 def _overrides(role: str, **fields: Any) -> dict[str, Any]:
     return {role: {"podTemplateOverrides": fields}}
 
