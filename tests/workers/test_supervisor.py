@@ -327,3 +327,15 @@ def test_sigterm_to_the_pod_reaches_every_rank(tmp_path: Path) -> None:
         "sigterm-1",
         "sigterm-2",
     ]
+
+
+def test_a_sigterm_before_the_ranks_start_starts_none(tmp_path: Path) -> None:
+    supervisor = Supervisor(
+        config(),
+        {**os.environ, **pod_env("trainer", 0, 2, 1), PROGRESS_DIR_ENV: str(tmp_path)},
+        command=[sys.executable, "-c", "import time; time.sleep(60)"],
+        writer=_Sink(),
+    )
+    supervisor.on_sigterm(signal.SIGTERM, None)
+    supervisor.start()
+    assert supervisor.children == [] and supervisor.wait() == 0

@@ -302,7 +302,11 @@ class RoleReporter:
             processes_per_pod=env.local_world_size,
             tensor_parallel=config.rollout.tensor_parallel_size if env.role == "rollout" else 1,
         )
-        self.metrics_port = self.exporter.serve(config.endpoints.metrics_port)
+        # the pod's metrics port (scraped, and the readiness probe) is local rank 0's; the
+        # other processes of a pod serve on free ports
+        self.metrics_port = self.exporter.serve(
+            config.endpoints.metrics_port if env.local_rank == 0 else 0
+        )
         log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         self.sink = MetricsLog(metrics_log_path(config.output_dir, env.role, env.rank))
         self.heartbeat = (

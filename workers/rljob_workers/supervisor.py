@@ -290,6 +290,9 @@ class Supervisor:
         self.failure: tuple[int, int] | None = None  # (local rank, exit code)
 
     def start(self) -> None:
+        """Start the pod's processes (none once a SIGTERM arrived: the pod is going)."""
+        if self.stopping.is_set():
+            return
         env = ProcessEnv.from_env(self.environ)
         gpus = int(self.environ.get("RLJOB_GPUS", "0") or 0)
         affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -304,6 +307,8 @@ class Supervisor:
             )
             process = subprocess.Popen(self.command, env=child, preexec_fn=die_with_parent)
             self.children.append(_Child(local_rank, process))
+            if self.stopping.is_set():  # a SIGTERM while starting: this one gets it too
+                process.send_signal(signal.SIGTERM)
             log.info(
                 "started %s rank %d (local rank %d of %d, pid %d)",
                 env.role,
