@@ -612,6 +612,7 @@ class PodPlan:
     verdict: Verdict
     gpus_used: int = 0
     ranks: int = 1
+    tensor_parallel: int = 1
     host_bytes: int | None = None
     host_capacity_bytes: int | None = None
     host_capacity_source: str = ""
@@ -885,6 +886,7 @@ def _plan_pod(
         verdict=verdict,
         gpus_used=_gpus_used(role, spec),
         ranks=ranks,
+        tensor_parallel=engine_tensor_parallel(spec, role),
         host_bytes=host_bytes,
         host_capacity_bytes=host_cap,
         host_capacity_source=host_source,
@@ -1053,6 +1055,11 @@ def render_plan(plan: JobPlan) -> str:
         res = f"gpus={pod.gpus} requests={pod.requests or {}} limits={pod.limits or {}}"
         names = pod.name if len(group) == 1 else f"{pod.name} .. {group[-1].name} (each)"
         lines.append(f"  {names} [{pod.role}] {res}")
+        if pod.role == "rollout":
+            lines.append(
+                f"    engines: {pod.ranks} per pod, tensor parallel {pod.tensor_parallel} "
+                f"(each GPU holds 1/{pod.tensor_parallel} of an engine's weights and KV cache)"
+            )
         lines += _render_memory(pod)
         head = "?" if pod.headroom is None else f"{pod.headroom:.0%}"
         lines.append(

@@ -414,6 +414,7 @@ def test_plan_tensor_parallel_must_divide_the_model_heads() -> None:
     ok = build_plan(four, shape=heads, capacity=PodCapacity(gpu_bytes=80 * GIB))
     assert not any("heads" in w for w in ok.warnings)
     assert (ok.pods[0].ranks, ok.pods[0].gpus_used) == (2, 8)  # two engines of TP 4
+    assert "engines: 2 per pod, tensor parallel 4" in render_plan(ok)
     kv = replace(SHAPE_7B, num_heads=32, num_kv_heads=6)
     odd = build_plan(four, shape=kv, capacity=PodCapacity(gpu_bytes=80 * GIB))
     assert any("neither divides the model's 6 KV heads" in w for w in odd.warnings)
