@@ -52,6 +52,7 @@ from rljob_operator.plan import (
     estimate_rank_memory,
     nearest_cell,
     parse_memory_quantity,
+    render_plan,
 )
 
 SHAPE_7B = ModelShape(
