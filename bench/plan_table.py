@@ -9,7 +9,8 @@ a pod runs one process). Per model and N, the layouts are tried in this order an
 fits with the default 15% headroom is shown: ddp; fsdp; fsdp + gradient checkpointing; fsdp +
 gradient checkpointing + cpuOffload (host memory: ``HOST_MEMORY_PER_POD`` per trainer pod). The
 GPU is an H100 80GB as NVIDIA GPU feature discovery labels it (81559 MiB). The rollout column: one
-vLLM engine on one GPU (no tensor parallel yet) within its ``gpu_memory_utilization`` share.
+vLLM engine per pod of the smallest tensor-parallel size (1, 2, 4 or 8 GPUs, one the model's heads
+allow) whose shard fits in its ``gpu_memory_utilization`` share of each GPU (0.9, disaggregated).
 
 The shapes are the public ``config.json`` values of the Qwen2.5 base models (no download).
 
@@ -88,8 +89,9 @@ LAYOUTS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def dapo_job(world: int, trainer: dict[str, Any]) -> RLJob:
-    """The table's DAPO job with ``world`` trainer pods × 1 GPU and these trainer fields."""
+def dapo_job(world: int, trainer: dict[str, Any], tp: int = 1) -> RLJob:
+    """The table's DAPO job with ``world`` trainer pods × 1 GPU and these trainer fields, and
+    rollout pods of one engine over ``tp`` GPUs."""
     return parse_rljob(
         {
             "apiVersion": "rljob.io/v1beta1",
@@ -106,7 +108,12 @@ def dapo_job(world: int, trainer: dict[str, Any]) -> RLJob:
                 "topology": "disaggregated",
                 "model": {"path": "/models/qwen", "dtype": "bfloat16"},
                 "task": {"builtin": {"name": "copy"}},
-                "rollout": {"replicas": 4, "gpusPerReplica": 1, "sampling": {"maxTokens": 2048}},
+                "rollout": {
+                    "replicas": 4,
+                    "gpusPerReplica": tp,
+                    "tensorParallelSize": tp,
+                    "sampling": {"maxTokens": 2048},
+                },
                 "trainer": {
                     "replicas": world,
                     "gpusPerReplica": 1,
@@ -118,11 +125,11 @@ def dapo_job(world: int, trainer: dict[str, Any]) -> RLJob:
     )
 
 
-def plan_for(shape: ModelShape, world: int, trainer: dict[str, Any]) -> JobPlan:
+def plan_for(shape: ModelShape, world: int, trainer: dict[str, Any], tp: int = 1) -> JobPlan:
     """``rljob plan`` of the table's job on 80 GB GPUs."""
     capacity = PodCapacity(gpu_bytes=GPU_MIB * 2**20, source=f"{GPU_MIB} MiB per GPU")
     return build_plan(
-        dapo_job(world, trainer), shape=shape, capacity=capacity, prompt_tokens=PROMPT_TOKENS
+        dapo_job(world, trainer, tp), shape=shape, capacity=capacity, prompt_tokens=PROMPT_TOKENS
     )
 
 
@@ -153,18 +160,30 @@ def trainer_cell(shape: ModelShape, world: int) -> str:
     return f"{label}: {name} ({figures})"
 
 
+TENSOR_PARALLEL = (1, 2, 4, 8)
+
+
 def rollout_cell(shape: ModelShape) -> str:
-    """One vLLM engine on one GPU: weights + KV cache against its share of the GPU."""
-    verdict, pod = _role_verdict(plan_for(shape, WORLDS[0], {}), "rollout")
+    """The smallest tensor-parallel size the heads allow whose shard (weights + KV cache) fits
+    its share of each GPU (else the largest tried, which does not)."""
+    tried = []
+    for tp in TENSOR_PARALLEL:
+        verdict, pod = _role_verdict(plan_for(shape, WORLDS[0], {}, tp), "rollout")
+        if verdict == "does-not-fit" and pod.memory.total <= pod.capacity_bytes:
+            continue  # the heads do not split over tp (rljob plan refuses it)
+        tried.append((tp, verdict, pod))
+        if verdict == "fits":
+            break
+    tp, verdict, pod = tried[-1]
     label = {"fits": "fits", "tight": "tight"}.get(verdict, "does not fit")
-    return f"{label}: {_gib(pod.memory.total)} of {_gib(pod.capacity_bytes)}"
+    return f"{label}: TP {tp}, {_gib(pod.memory.total)} of {_gib(pod.capacity_bytes)} per GPU"
 
 
 def render_table() -> str:
     """The Markdown table (the one in docs/concepts/plan.md)."""
     head = " | ".join(f"trainer on {n} × 80 GB" for n in WORLDS)
     lines = [
-        f"| model | parameters | {head} | rollout engine on 1 × 80 GB |",
+        f"| model | parameters | {head} | rollout engine (smallest TP that fits) |",
         "|---|---|" + "---|" * len(WORLDS) + "---|",
     ]
     for name, config in QWEN25.items():
