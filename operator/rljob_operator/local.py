@@ -19,7 +19,7 @@ from rljob_operator.builders import (
     Role,
     Topology,
     build_worker_config,
-    role_replicas,
+    role_world_size,
     roles_for,
 )
 from rljob_operator.conversion import parse_any_version
@@ -42,7 +42,8 @@ def local_processes(
     ``actors`` of them if given, else ``spec.trainer.replicas`` capped at one per
     ``CORES_PER_LOCAL_ACTOR`` cores.
     """
-    processes = {role: role_replicas(spec, role) for role in roles_for(topology)}
+    # a process per rank and per engine, as the pods would run them (one per GPU)
+    processes = {role: role_world_size(spec, role) for role in roles_for(topology)}
     if "actor" in processes:
         fitting = max(1, cpus // CORES_PER_LOCAL_ACTOR)
         processes["actor"] = actors if actors is not None else min(processes["actor"], fitting)
@@ -119,11 +120,12 @@ def run_manifest_locally(
     from rljob_workers.local_runner import run_local
 
     processes = local_processes(spec, topology, cpus=cpus or os.cpu_count() or 1, actors=actors)
-    wanted = role_replicas(spec, "actor") if "actor" in processes else 0
+    wanted = role_world_size(spec, "actor") if "actor" in processes else 0
     if "actor" in processes and processes["actor"] != wanted:
         print(
-            f"rljob: running {processes['actor']} actor process(es) for spec.trainer.replicas "
-            f"{wanted} (same batch and update, split over fewer processes; --actors overrides)",
+            f"rljob: running {processes['actor']} actor process(es) for the {wanted} actor "
+            "rank(s) of spec.trainer (same batch and update, split over fewer processes; "
+            "--actors overrides)",
             file=sys.stderr,
         )
     result = run_local(config, workdir=out, processes=processes)

@@ -45,6 +45,26 @@ def test_local_processes_disaggregated_keeps_replicas() -> None:
     assert "actor" not in full
 
 
+def test_local_processes_one_per_rank_and_engine() -> None:
+    """Issue 24: a local run starts the processes the pods would (ranks per GPU, engines)."""
+    spec, topology = _spec("dapo-disaggregated")
+    wide = spec.model_copy(
+        update={
+            "trainer": spec.trainer.model_copy(update={"processes_per_replica": 1, "replicas": 2}),
+            "rollout": spec.rollout.model_copy(update={"engines_per_replica": 2, "replicas": 1}),
+        }
+    )
+    assert local_processes(wide, topology, cpus=64) == {"rollout": 2, "trainer": 2}
+    ranks = wide.model_copy(
+        update={
+            "trainer": wide.trainer.model_copy(
+                update={"gpus_per_replica": 4, "processes_per_replica": None}
+            )
+        }
+    )
+    assert local_processes(ranks, topology, cpus=64)["trainer"] == 8
+
+
 def test_run_manifest_locally_actors_below_one_fails_naming_flag(tmp_path, capsys) -> None:
     code = run_manifest_locally(
         str(EXAMPLES / "grpo-colocated.yaml"), actors=0, workdir=str(tmp_path)
