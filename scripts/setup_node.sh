@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real node's set-up (DESIGN.md §6): Debian packages (containerd, runc, CNI plugins, iptables,
-# mmdebstrap, catatonit), then the images built without Docker (scripts/build_images.py: cached
+# mmdebstrap, catatonit; prometheus for promtool), then the images built without Docker (scripts/build_images.py: cached
 # layers keyed by content) and imported into the containerd store the real node uses.
 # The node's Go binaries (kubelet, kube-proxy, coredns) come from build_controlplane.sh.
 # Skipped with a line saying why when not root or RLJOB_REAL_NODE=0; the real-node tests then skip.
@@ -18,7 +18,8 @@ if [ "$(id -u)" != 0 ]; then
   exit 0
 fi
 
-PACKAGES="containerd runc containernetworking-plugins iptables mmdebstrap catatonit"
+# prometheus: its promtool checks and unit-tests the chart's alert rules (tests/deploy)
+PACKAGES="containerd runc containernetworking-plugins iptables mmdebstrap catatonit prometheus"
 apt_packages() {
   local missing=()
   for p in $PACKAGES; do
@@ -27,7 +28,17 @@ apt_packages() {
   [ ${#missing[@]} = 0 ] && return 0
   echo "installing: ${missing[*]}"
   apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  # no package may start a service of its own here (prometheus would scrape and listen): a
+  # policy-rc.d that refuses every start, for the install only (Debian's convention)
+  local policy=/usr/sbin/policy-rc.d ours=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && ours=1
+  fi
+  local rc=0
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" ||
+    rc=$?
+  [ "$ours" = 1 ] && rm -f "$policy"
+  return $rc
 }
 
 images() {
