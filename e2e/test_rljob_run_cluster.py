@@ -128,3 +128,76 @@ def test_rljob_run_cluster_invalid_manifest_applies_nothing(
     assert proc.returncode == 2, out
     assert "groupSize" in out
     assert not _exists(cluster, namespace, "broken")
+
+
+def test_rljob_status_prints_a_jobs_state_ranks_and_events(
+    cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
+) -> None:
+    """``rljob status NAME`` against the API server: the status the controller wrote (phase,
+    step, reward, lag, ranks per pod) and the job's Events, newest last."""
+    path = _manifest(tmp_path, "shown", steps=50)
+    cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+    _set_status(
+        cluster,
+        namespace,
+        "shown",
+        {
+            "phase": "Running",
+            "step": 7,
+            "rewardMean": 0.25,
+            "policyLagMs": 12.5,
+            "trainer": {"ready": 2, "desired": 2, "processesPerPod": 4, "worldSize": 8},
+        },
+    )
+    uid = json.loads(cluster.kubectl("get", "rlj", "shown", "-n", namespace, "-o", "json").stdout)[
+        "metadata"
+    ]["uid"]
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": "shown.restart", "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": "rljob.io/v1beta1",
+            "kind": "RLJob",
+            "name": "shown",
+            "namespace": namespace,
+            "uid": uid,
+        },
+        "type": "Warning",
+        "reason": "GroupRestart",
+        "message": "restarting the actor gang (shown-actor-1: Failed (exit code 137))",
+        "firstTimestamp": "2026-12-05T10:00:00Z",
+        "lastTimestamp": "2026-12-05T10:00:00Z",
+        "source": {"component": "e2e"},
+    }
+    cluster.kubectl("create", "-f", "-", input=json.dumps(event))
+    done = subprocess.run(
+        [sys.executable, "-c", RLJOB, "status", "shown", "-n", namespace],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"RLJob {namespace}/shown: grpo on colocated" in out, out
+    assert "step:     7/50" in out and "reward:   0.250" in out and "lag:      12.5 ms" in out
+    assert "actor:    2/2 pods ready, 4 process(es) per pod, world 8" in out
+    assert "Warning GroupRestart: restarting the actor gang (shown-actor-1" in out
+    as_json = subprocess.run(
+        [sys.executable, "-c", RLJOB, "status", "shown", "-n", namespace, "-o", "json"],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    body = json.loads(as_json.stdout)
+    assert body["status"]["step"] == 7 and body["events"][0]["reason"] == "GroupRestart"
+    missing = subprocess.run(
+        [sys.executable, "-c", RLJOB, "status", "absent", "-n", namespace],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1 and f"no RLJob {namespace}/absent" in missing.stderr

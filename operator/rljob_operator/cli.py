@@ -581,12 +581,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="build the tiny demo model (a small Qwen2 with a character tokenizer) where the model "
         "path points, if nothing is there yet",
     )
+    status = sub.add_parser(
+        "status",
+        help="one job in the cluster: phase, step, reward, lag, ranks, restarts, last events",
+    )
+    status.add_argument("name", help="the RLJob's name")
+    status.add_argument("--namespace", "-n", default=None, help="its namespace")
+    status.add_argument("--kubeconfig", default=None, help="kubeconfig file")
+    status.add_argument("--events", type=int, default=8, help="newest Events shown (default 8)")
+    status.add_argument("--output", "-o", choices=("text", "json"), default="text")
     _add_plan_parser(sub)
     _add_export_parser(sub)
     sub.add_parser("crd", help="print the generated CustomResourceDefinition")
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_main(args)
+    if args.command == "status":
+        from rljob_operator.follow import status_main
+
+        return status_main(
+            args.name,
+            namespace=args.namespace,
+            kubeconfig=args.kubeconfig,
+            events=args.events,
+            output=args.output,
+        )
     if args.command == "export":
         return export_main(args)
     if args.command == "crd":

@@ -2,7 +2,7 @@
 follow it to the end with live lines and a final report, as a local run does.
 
 Ctrl-C detaches (the job keeps running in the cluster); ``--delete-after`` deletes the job once it
-finished.
+finished. ``rljob status NAME`` prints one job's state at a glance (``render_status``).
 """
 
 from __future__ import annotations
@@ -191,3 +191,98 @@ def _context_namespace(kubeconfig: str | None) -> str:
     except config.ConfigException:
         return "default"
     return str((current or {}).get("context", {}).get("namespace") or "default")
+
+
+def _role_text(role: Mapping[str, Any]) -> str:
+    text = f"{role.get('ready', 0)}/{role.get('desired', 0)} pods ready"
+    if role.get("processesPerPod"):
+        text += f", {role['processesPerPod']} process(es) per pod"
+    if role.get("worldSize") is not None:
+        text += f", world {role['worldSize']}"
+    if role.get("tensorParallelSize"):
+        text += f", tensor parallel {role['tensorParallelSize']}"
+    return text
+
+
+def render_status(job: Mapping[str, Any], events: list[Mapping[str, Any]], last: int = 8) -> str:
+    """``rljob status``: phase, step, reward, lag, the roles' pods and ranks, restarts,
+    checkpoints, conditions that are not as wished, and the newest ``last`` Events."""
+    meta, spec, status = job.get("metadata", {}), job.get("spec", {}), job.get("status") or {}
+    topology = status.get("resolvedTopology") or spec.get("topology", "-")
+    lines = [
+        f"RLJob {meta.get('namespace', '-')}/{meta.get('name', '-')}: "
+        f"{spec.get('algorithm', {}).get('name', '-')} on {topology}",
+        f"phase:    {status.get('phase', '-')}"
+        + (f" ({status['message']})" if status.get("message") else ""),
+        f"step:     {status.get('step', 0) or 0}/{spec.get('totalSteps', '-')}",
+        f"reward:   {_num(status.get('rewardMean'), '{:.3f}')}",
+        f"lag:      {_num(status.get('policyLagMs'), '{:.1f}')} ms, "
+        f"{_num(status.get('policyLagVersions'), '{:.1f}')} versions",
+        f"tokens/s: {_num(status.get('tokensPerSecond'), '{:.0f}')}",
+    ]
+    roles = ("actor",) if topology == "colocated" else ("rollout", "trainer")
+    for role in roles:
+        key = "trainer" if role == "actor" else role
+        lines.append(f"{role + ':':9} {_role_text(status.get(key) or {})}")
+    restarts = status.get("restarts") or {}
+    lines.append("restarts: " + (", ".join(f"{k} {v}" for k, v in sorted(restarts.items())) or "0"))
+    checkpoint = status.get("lastCheckpoint") or {}
+    if checkpoint:
+        lines.append(f"checkpoint: step {checkpoint.get('step')} at {checkpoint.get('path')}")
+    for condition in status.get("conditions") or []:
+        lines.append(
+            f"condition {condition.get('type')}={condition.get('status')}"
+            + (f" ({condition['reason']})" if condition.get("reason") else "")
+            + (f": {condition['message']}" if condition.get("message") else "")
+        )
+    newest = sorted(events, key=_event_time)[-last:]
+    lines.append(f"events (newest {len(newest)} of {len(events)}):" if events else "events: none")
+    for event in newest:
+        lines.append(
+            f"  {_event_time(event) or '-'}  {event.get('type', '-'):7} "
+            f"{event.get('reason', '-')}: {event.get('message', '')}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    return str(
+        event.get("lastTimestamp")
+        or event.get("eventTime")
+        or event.get("firstTimestamp")
+        or event.get("metadata", {}).get("creationTimestamp")
+        or ""
+    )
+
+
+def status_main(
+    name: str,
+    *,
+    namespace: str | None = None,
+    kubeconfig: str | None = None,
+    events: int = 8,
+    output: str = "text",
+    out: IO[str] | None = None,
+) -> int:
+    """Print one job's status (``-o json``: the object's status and its Events); 1 when absent."""
+    import json
+
+    out = out or sys.stdout
+    kube = Kube.connect(kubeconfig)
+    ns = namespace or _context_namespace(kubeconfig)
+    job = kube.get(f"{GROUP}/{VERSION}", "RLJob", ns, name)
+    if job is None:
+        print(f"rljob: no RLJob {ns}/{name}", file=sys.stderr)
+        return 1
+    listed = kube.request(
+        "GET",
+        resource_path("v1", "Event", ns),
+        query={"fieldSelector": f"involvedObject.kind=RLJob,involvedObject.name={name}"},
+    )
+    items = list((listed or {}).get("items", []))
+    if output == "json":
+        body = {"status": job.get("status") or {}, "events": sorted(items, key=_event_time)}
+        print(json.dumps(body, indent=1), file=out)
+        return 0
+    out.write(render_status(job, items, last=events))
+    return 0

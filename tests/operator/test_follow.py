@@ -42,3 +42,62 @@ def test_status_line_names_restarts_by_role() -> None:
     line = status_line("demo", {"phase": "Restarting", "restarts": {"trainer": 2, "rollout": 0}}, 5)
     assert "restarts trainer=2" in line and "rollout" not in line
     assert "reward -" in line and "step 0/5" in line
+
+
+def test_render_status_shows_phase_step_reward_lag_ranks_and_newest_events() -> None:
+    from rljob_operator.follow import render_status
+
+    job = {
+        "metadata": {"name": "wide", "namespace": "team"},
+        "spec": {"algorithm": {"name": "dapo"}, "topology": "disaggregated", "totalSteps": 100},
+        "status": {
+            "phase": "Running",
+            "resolvedTopology": "disaggregated",
+            "step": 42,
+            "rewardMean": 0.4567,
+            "policyLagMs": 850.0,
+            "policyLagVersions": 0.9,
+            "tokensPerSecond": 1234.4,
+            "trainer": {"ready": 2, "desired": 2, "processesPerPod": 8, "worldSize": 16},
+            "rollout": {
+                "ready": 1,
+                "desired": 2,
+                "processesPerPod": 2,
+                "worldSize": 4,
+                "tensorParallelSize": 2,
+            },
+            "restarts": {"trainer": 1},
+            "lastCheckpoint": {"step": 40, "path": "/checkpoints/step-00000040"},
+            "conditions": [{"type": "Running", "status": "True", "reason": "AllPodsReady"}],
+        },
+    }
+    events = [
+        {
+            "type": "Normal",
+            "reason": f"E{i}",
+            "message": f"m{i}",
+            "lastTimestamp": f"2026-12-05T10:0{i}:00Z",
+        }
+        for i in range(5)
+    ]
+    text = render_status(job, events[::-1], last=3)
+    assert "RLJob team/wide: dapo on disaggregated" in text
+    assert "phase:    Running" in text and "step:     42/100" in text
+    assert "reward:   0.457" in text and "lag:      850.0 ms, 0.9 versions" in text
+    assert "trainer:  2/2 pods ready, 8 process(es) per pod, world 16" in text
+    assert "rollout:  1/2 pods ready, 2 process(es) per pod, world 4, tensor parallel 2" in text
+    assert "restarts: trainer 1" in text
+    assert "checkpoint: step 40 at /checkpoints/step-00000040" in text
+    assert "condition Running=True (AllPodsReady)" in text
+    # the newest 3 Events, oldest first
+    assert "events (newest 3 of 5):" in text
+    shown = [line.split()[-2] for line in text.splitlines() if line.startswith("  2026")]
+    assert shown == ["E2:", "E3:", "E4:"]
+
+
+def test_render_status_of_a_new_job_has_no_numbers_yet() -> None:
+    from rljob_operator.follow import render_status
+
+    text = render_status({"metadata": {"name": "n"}, "spec": {"topology": "colocated"}}, [])
+    assert "phase:    -" in text and "reward:   -" in text and "events: none" in text
+    assert "actor:    0/0 pods ready" in text
