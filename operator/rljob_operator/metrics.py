@@ -14,6 +14,8 @@ RECONCILE_SECONDS = Histogram(
 )
 JOBS_BY_PHASE = Gauge("rljob_jobs", "RLJobs by phase", ["phase"])
 RESTARTS = Counter("rljob_restarts_total", "Role restarts performed", ["role"])
+for _role in ("rollout", "trainer"):  # exported at 0 from the start, not only after a restart
+    RESTARTS.labels(role=_role)
 DEGRADE_EVENTS = Counter("rljob_degrade_events_total", "Times a job entered the Degraded state")
 COLLAPSED_JOBS = Gauge(
     "rljob_jobs_collapsed",

@@ -208,9 +208,12 @@ class WorkerMetrics:
             self._step_time.labels(**self._labels).observe(step_time)
 
     def count_dropped(self, reason: str, count: int) -> None:
-        """Add ``count`` samples dropped for ``reason`` (e.g. ``no_signal``, ``stale_version``)."""
+        """Add ``count`` samples dropped for ``reason`` (e.g. ``no_signal``, ``stale_version``).
+        A reason reported with nothing dropped yet is exported at 0 (a series that exists
+        before its first drop: dashboards and ``increase()`` see it from the start)."""
+        counter = self._dropped.labels(**self._labels, reason=reason)
         if count > 0:
-            self._dropped.labels(**self._labels, reason=reason).inc(count)
+            counter.inc(count)
 
 
 def _finite(value: Any) -> float | None:
