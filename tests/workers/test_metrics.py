@@ -158,3 +158,34 @@ def test_metrics_log_write_after_close_raises(tmp_path):
     log.close()
     with pytest.raises(ValueError, match="closed"):
         log.write({"step": 1})
+
+
+def _series(metrics: WorkerMetrics) -> int:
+    return sum(len(family.samples) for family in metrics.registry.collect())
+
+
+def test_worker_metrics_series_stay_bounded_for_100_jobs_and_many_steps():
+    """Issue 29 item 4: no per-step or per-sample labels. 100 jobs of 2 processes export a fixed
+    number of series each, the same after 1 step as after 50 (values change, series do not)."""
+    processes = [
+        WorkerMetrics(job=f"job-{j:03d}", role=role, rank=0)
+        for j in range(100)
+        for role in ("rollout", "trainer")
+    ]
+    for metrics in processes:
+        metrics.set_layout(world_size=2, processes_per_pod=1, tensor_parallel=1)
+        metrics.observe_step(STEP, lag_threshold_ms=1.0)
+        metrics.count_dropped("stale_version", 1)
+    after_one = [_series(m) for m in processes]
+    for step in range(2, 51):
+        for metrics in processes:
+            metrics.observe_step(
+                {**STEP, "step": step, "reward_mean": step / 50}, lag_threshold_ms=1.0
+            )
+            metrics.count_dropped("stale_version", 1)
+    after_fifty = [_series(m) for m in processes]
+    assert after_fifty == after_one
+    assert len(set(after_one)) == 1  # every process the same count
+    total = sum(after_fifty)
+    print(f"\n100 jobs x 2 processes: {total} series ({after_one[0]} per process)")
+    assert total == 200 * after_one[0] < 200 * 200
