@@ -164,12 +164,26 @@ def _file_name(job_name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_.-]", "_", job_name) + ".json"
 
 
-def _sd(
-    job_name: str, role: str, namespaces: dict[str, Any] | None, sd_dir: str
-) -> tuple[list[dict[str, Any]], Discovery]:
+def _scrape(
+    job_name: str,
+    role: str,
+    obj: Mapping[str, Any],
+    endpoint: Mapping[str, Any],
+    relabel: list[dict[str, Any]],
+    sd_dir: str,
+) -> tuple[dict[str, Any], Discovery]:
+    """One endpoint's scrape configuration, its targets read from a file that the returned
+    ``Discovery`` fills."""
     file = str(Path(sd_dir) / _file_name(job_name))
+    namespaces = _namespaces(obj)
     names = None if namespaces is None else tuple(namespaces["names"])
-    return [{"files": [file], "refresh_interval": "5s"}], Discovery(job_name, role, names, file)
+    config = {
+        "job_name": job_name,
+        **_common(endpoint),
+        "file_sd_configs": [{"files": [file], "refresh_interval": "5s"}],
+        "relabel_configs": relabel,
+    }
+    return config, Discovery(job_name, role, names, file)
 
 
 def _finished_pods_dropped() -> dict[str, Any]:
@@ -209,18 +223,8 @@ def pod_monitor_config(obj: Mapping[str, Any], sd_dir: str) -> list[Scrape]:
             {"target_label": "endpoint", "replacement": str(endpoint.get("port", ""))},
             *_relabelings(endpoint),
         ]
-        job_name = f"podMonitor/{ns}/{name}/{index}"
-        files, found = _sd(job_name, "pod", _namespaces(obj), sd_dir)
         out.append(
-            (
-                {
-                    "job_name": job_name,
-                    **_common(endpoint),
-                    "file_sd_configs": files,
-                    "relabel_configs": relabel,
-                },
-                found,
-            )
+            _scrape(f"podMonitor/{ns}/{name}/{index}", "pod", obj, endpoint, relabel, sd_dir)
         )
     return out
 
@@ -259,17 +263,9 @@ def service_monitor_config(obj: Mapping[str, Any], sd_dir: str) -> list[Scrape]:
             {"target_label": "endpoint", "replacement": str(endpoint.get("port", ""))},
             *_relabelings(endpoint),
         ]  # fmt: skip
-        job_name = f"serviceMonitor/{ns}/{name}/{index}"
-        files, found = _sd(job_name, "endpoints", _namespaces(obj), sd_dir)
         out.append(
-            (
-                {
-                    "job_name": job_name,
-                    **_common(endpoint),
-                    "file_sd_configs": files,
-                    "relabel_configs": relabel,
-                },
-                found,
+            _scrape(
+                f"serviceMonitor/{ns}/{name}/{index}", "endpoints", obj, endpoint, relabel, sd_dir
             )
         )
     return out

@@ -130,6 +130,16 @@ def test_rljob_run_cluster_invalid_manifest_applies_nothing(
     assert not _exists(cluster, namespace, "broken")
 
 
+def _status_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", RLJOB, "status", *args],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_rljob_status_prints_a_jobs_state_ranks_and_events(
     cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
 ) -> None:
@@ -171,33 +181,15 @@ def test_rljob_status_prints_a_jobs_state_ranks_and_events(
         "source": {"component": "e2e"},
     }
     cluster.kubectl("create", "-f", "-", input=json.dumps(event))
-    done = subprocess.run(
-        [sys.executable, "-c", RLJOB, "status", "shown", "-n", namespace],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _status_cli(cluster, "shown", "-n", namespace)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert f"RLJob {namespace}/shown: grpo on colocated" in out, out
     assert "step:     7/50" in out and "reward:   0.250" in out and "lag:      12.5 ms" in out
     assert "actor:    2/2 pods ready, 4 process(es) per pod, world 8" in out
     assert "Warning GroupRestart: restarting the actor gang (shown-actor-1" in out
-    as_json = subprocess.run(
-        [sys.executable, "-c", RLJOB, "status", "shown", "-n", namespace, "-o", "json"],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    as_json = _status_cli(cluster, "shown", "-n", namespace, "-o", "json")
     body = json.loads(as_json.stdout)
     assert body["status"]["step"] == 7 and body["events"][0]["reason"] == "GroupRestart"
-    missing = subprocess.run(
-        [sys.executable, "-c", RLJOB, "status", "absent", "-n", namespace],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    missing = _status_cli(cluster, "absent", "-n", namespace)
     assert missing.returncode == 1 and f"no RLJob {namespace}/absent" in missing.stderr

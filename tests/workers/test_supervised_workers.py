@@ -16,16 +16,15 @@ from rljob_workers.config import (
     LOCAL_WORLD_SIZE_ENV,
     AlgorithmConfig,
     Endpoints,
-    ModelConfig,
     Progress,
     RolloutConfig,
     SamplingConfig,
-    TaskConfig,
     TrainerConfig,
     WorkerConfig,
 )
 from rljob_workers.ports import free_port
 from rljob_workers.tinymodel import build_tiny_model
+from tests.workers.test_local_runner import _config as local_runner_config
 
 WORKERS_ROOT = Path(__file__).resolve().parents[2] / "workers"
 
@@ -36,20 +35,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model: Path, workdir: Path, **overrides: object) -> WorkerConfig:
+    """The local runner tests' colocated GRPO config, as one pod of 2 actor ranks on loopback."""
     values: dict[str, object] = {
         "job_name": "supervised",
-        "topology": "colocated",
-        "algorithm": AlgorithmConfig(
-            name="grpo",
-            advantage_estimator="grpo",
-            learning_rate=2e-3,
-            group_size=4,
-            batch_size=4,
-            mini_batch_size=4,
-        ),
-        "model": ModelConfig(path=str(model)),
-        "task": TaskConfig(builtin="successor", num_prompts=16),
-        "rollout": RolloutConfig(engine="hf", sampling=SamplingConfig(n=4, max_tokens=3)),
         "trainer": TrainerConfig(replicas=1, processes_per_replica=2),
         "endpoints": Endpoints(
             rendezvous_port=free_port(),
@@ -59,10 +47,9 @@ def _config(model: Path, workdir: Path, **overrides: object) -> WorkerConfig:
         ),
         "checkpoint": {"dir": str(workdir / "checkpoints"), "every_steps": 2},
         "output_dir": str(workdir),
-        "total_steps": 3,
+        **overrides,
     }
-    values.update(overrides)
-    return WorkerConfig(**values)  # type: ignore[arg-type]
+    return local_runner_config(model, **values)
 
 
 def _pod(
