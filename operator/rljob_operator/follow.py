@@ -286,3 +286,54 @@ def status_main(
         return 0
     out.write(render_status(job, items, last=events))
     return 0
+
+
+def plot_main(
+    name: str,
+    *,
+    namespace: str | None = None,
+    kubeconfig: str | None = None,
+    output: str | None = None,
+    history_file: str | None = None,
+    out: IO[str] | None = None,
+) -> int:
+    """Write one job's learning curves as a PNG (``<name>-curves.png`` unless ``output``).
+
+    The curves are the job's tracking history (``rljob_workers.tracking.History``), which the
+    training role's rank 0 keeps in the job's progress ConfigMap while it runs, resumes and
+    after it finished; ``history_file`` reads a local run's ``history.json`` instead."""
+    from rljob_workers.config import HISTORY_KEY, progress_configmap
+    from rljob_workers.report import plot_history
+    from rljob_workers.tracking import History
+
+    out = out or sys.stdout
+    if history_file is not None:
+        try:
+            text: str | None = Path(history_file).read_text()
+        except OSError as exc:
+            print(f"rljob: {history_file}: {exc.strerror}", file=sys.stderr)
+            return 1
+        where = history_file
+    else:
+        kube = Kube.connect(kubeconfig)
+        ns = namespace or _context_namespace(kubeconfig)
+        if kube.get(f"{GROUP}/{VERSION}", "RLJob", ns, name) is None:
+            print(f"rljob: no RLJob {ns}/{name}", file=sys.stderr)
+            return 1
+        configmap = progress_configmap(name, "trainer")
+        found = kube.get("v1", "ConfigMap", ns, configmap)
+        text = ((found or {}).get("data") or {}).get(HISTORY_KEY)
+        where = f"ConfigMap {ns}/{configmap}, key {HISTORY_KEY}"
+    history = History.from_json(text)
+    if not history.steps:
+        print(
+            f"rljob: {name} has no learning curves yet ({where} is empty: the first are written "
+            "within 30 s of its first step)",
+            file=sys.stderr,
+        )
+        return 1
+    path = plot_history(
+        history.steps, history.series, output or f"{name}-curves.png", title=f"RLJob {name}"
+    )
+    print(f"{path}: {len(history.steps)} steps, {history.steps[0]}..{history.steps[-1]}", file=out)
+    return 0

@@ -30,6 +30,7 @@ from rljob_operator.builders import (
     CHECKPOINT_MOUNT,
     HASH_NEUTRAL,
     LIVE_SECTIONS,
+    TRACKING_IDENTITY,
     JobRef,
     build_worker_config,
     hash_neutral_value,
@@ -169,11 +170,24 @@ def test_restart_hash_enabled_overlong_lengths_new_hash(old_tree: Path) -> None:
         ("staleness.max_versions", 3),
         ("checkpoint.resume_from", "/c/1"),
         ("weight_sync.bucket_mib", 64),
+        # the tracking run's name, uid and config-hash tag: the job's, never a reason to
+        # restart (the config-hash tag is the hash itself)
+        ("tracking.run_name", "renamed"),
+        ("tracking.run_id", "u-2"),
+        ("tracking.config_hash", "f00d"),
     ],
 )
 def test_restart_hash_live_field_changed_same_hash(old_tree: Path, path: str, value: Any) -> None:
     base = _base(old_tree)
     assert restart_hash(_with(base, path, value)) == restart_hash(base)
+
+
+def test_restart_hash_moves_when_tracking_is_switched_on(old_tree: Path) -> None:
+    base = _base(old_tree)
+    assert restart_hash(_with(base, "tracking.mlflow_uri", "http://mlflow:5000")) != (
+        restart_hash(base)
+    )
+    assert restart_hash(_with(base, "tracking.tensorboard", False)) != restart_hash(base)
 
 
 def test_restart_hash_fields_since_previous_release_declared_neutral(old_tree: Path) -> None:
@@ -183,7 +197,7 @@ def test_restart_hash_fields_since_previous_release_declared_neutral(old_tree: P
     new = set(scope["paths"](WorkerConfig))
     live = tuple(f"{s}." for s in LIVE_SECTIONS)
     added = {p for p in new - old if not p.startswith(live) and p not in LIVE_SECTIONS}
-    undeclared = added - set(HASH_NEUTRAL)
+    undeclared = added - set(HASH_NEUTRAL) - set(TRACKING_IDENTITY)
     assert not undeclared, (
         f"worker-config fields {sorted(undeclared)} are new since the previous release: add "
         "each to builders.HASH_NEUTRAL with the value that behaves as before, or every running "

@@ -36,11 +36,13 @@ STEP = {
     "kl": 0.0125,
     "entropy": 1.5,
     "clip_fraction": 0.25,
+    "advantage_mean": -0.125,
     "advantage_var": 0.75,
     "logprob_mismatch_mean": 0.00057,
     "logprob_mismatch_max": 0.0062,
     "logprob_mismatch_kl": 4.1e-07,
     "tokens_per_s": 812.0,
+    "tokens_per_s_per_gpu": 406.0,
     "step_time_s": 0.4,
     "policy_lag_ms": 3.5,
     "policy_lag_versions": 0.0,
@@ -48,6 +50,19 @@ STEP = {
     "idle_fraction": 0.25,
     "accelerator_util": 71.0,
     "accelerator_util_std": 9.5,
+    "accelerator_memory_used_bytes": 65536.0,
+}
+PHASED = {
+    **STEP,
+    "phase_generate_s": 0.25,
+    "phase_reward_s": 0.05,
+    "phase_train_s": 0.5,
+    "phase_weight_sync_s": 0.125,
+    "phase_wait_s": 0.0,
+    "idle_wait_experience": 0.25,
+    "idle_paused": 0.0,
+    # every age bucket, 7 versions behind in the 4+ one
+    "staleness_histogram": {"0": 5, "1": 2, "2": 1, "3": 1, "7": 1},
 }
 
 
@@ -174,18 +189,84 @@ def test_worker_metrics_series_stay_bounded_for_100_jobs_and_many_steps():
     ]
     for metrics in processes:
         metrics.set_layout(world_size=2, processes_per_pod=1, tensor_parallel=1)
-        metrics.observe_step(STEP, lag_threshold_ms=1.0)
+        metrics.set_accelerator("cpu_device")
+        metrics.export_phases()
+        metrics.export_reward_failures()
+        metrics.observe_step(PHASED, lag_threshold_ms=1.0)
         metrics.count_dropped("stale_version", 1)
+        metrics.count_reward_failures("timeout", 1)
     after_one = [_series(m) for m in processes]
     for step in range(2, 51):
         for metrics in processes:
             metrics.observe_step(
-                {**STEP, "step": step, "reward_mean": step / 50}, lag_threshold_ms=1.0
+                # samples ever further behind: the age label stays bounded (4+)
+                {
+                    **PHASED,
+                    "step": step,
+                    "reward_mean": step / 50,
+                    "staleness_histogram": {str(step): 3, "0": 1},
+                },
+                lag_threshold_ms=1.0,
             )
             metrics.count_dropped("stale_version", 1)
+            metrics.count_reward_failures("error", 1)
     after_fifty = [_series(m) for m in processes]
     assert after_fifty == after_one
     assert len(set(after_one)) == 1  # every process the same count
     total = sum(after_fifty)
     print(f"\n100 jobs x 2 processes: {total} series ({after_one[0]} per process)")
     assert total == 200 * after_one[0] < 200 * 200
+
+
+def test_worker_metrics_break_step_time_into_phases_and_idle_into_reasons(exporter):
+    """Issue 29 item 4: the step's seconds per phase (last step, and a counter for rate()),
+    and the idle fraction per reason."""
+    port = exporter.serve(0)
+    exporter.export_phases()
+    before = _scrape(port)
+    for phase in ("generate", "reward", "train", "weight_sync", "wait"):
+        labels = f'job="demo",phase="{phase}",rank="1",role="actor"'
+        assert f"rljob_step_phase_seconds_total{{{labels}}} 0.0" in before, phase
+    exporter.observe_step(PHASED, lag_threshold_ms=None)
+    exporter.observe_step(PHASED, lag_threshold_ms=None)
+    text = _scrape(port)
+    train = 'job="demo",phase="train",rank="1",role="actor"'
+    assert f"rljob_last_step_phase_seconds{{{train}}} 0.5" in text
+    assert f"rljob_step_phase_seconds_total{{{train}}} 1.0" in text
+    wait = 'job="demo",rank="1",reason="wait_experience",role="actor"'
+    assert f"rljob_idle_fraction_by_reason{{{wait}}} 0.25" in text
+
+
+def test_worker_metrics_count_consumed_samples_by_age_in_bounded_buckets(exporter):
+    port = exporter.serve(0)
+    exporter.observe_step(PHASED, lag_threshold_ms=None)
+    exporter.observe_step({**STEP, "staleness_histogram": {"12": 4, "0": 1}}, lag_threshold_ms=None)
+    text = _scrape(port)
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("rljob_consumed_samples_total{"):
+            age = line.split('versions_behind="')[1].split('"')[0]
+            counts[age] = float(line.rsplit(" ", 1)[1])
+    assert counts == {"0": 6.0, "1": 2.0, "2": 1.0, "3": 1.0, "4+": 5.0}
+
+
+def test_worker_metrics_reward_failures_exist_at_zero_and_count(exporter):
+    port = exporter.serve(0)
+    exporter.export_reward_failures()
+    labels = 'job="demo",rank="1",reason="{}",role="actor"'
+    text = _scrape(port)
+    assert f"rljob_reward_failures_total{{{labels.format('timeout')}}} 0.0" in text
+    assert f"rljob_reward_failures_total{{{labels.format('error')}}} 0.0" in text
+    exporter.count_reward_failures("timeout", 3)
+    exporter.count_reward_failures("timeout", 0)
+    assert f"rljob_reward_failures_total{{{labels.format('timeout')}}} 3.0" in _scrape(port)
+
+
+@pytest.mark.parametrize(
+    ("reason", "value"), [("nvml", 1.0), ("cpu_device", 0.0), ("no_driver", 0.0)]
+)
+def test_worker_metrics_say_why_gpu_metrics_are_absent(exporter, reason, value):
+    port = exporter.serve(0)
+    exporter.set_accelerator(reason)
+    labels = f'job="demo",rank="1",reason="{reason}",role="actor"'
+    assert f"rljob_accelerator_metrics_available{{{labels}}} {value}" in _scrape(port)

@@ -16,7 +16,15 @@ import pytest
 
 from rljob_operator.reconcile import build_utilization_status
 from rljob_workers.config import Progress
-from rljob_workers.utilization import AcceleratorMonitor, IdleAccount, account_colocated_step
+from rljob_workers.utilization import (
+    ACCELERATOR_ABSENT_REASONS,
+    PHASES,
+    AcceleratorMonitor,
+    IdleAccount,
+    PhaseClock,
+    account_colocated_step,
+    process_devices,
+)
 
 
 class Clock:
@@ -78,21 +86,43 @@ def test_accelerator_monitor_without_nvml_reports_absent() -> None:
         if monitor.available:
             pytest.skip("this machine has a GPU visible to NVML")
         assert monitor.window() == {}
+        assert monitor.reason in ACCELERATOR_ABSENT_REASONS
     finally:
         monitor.close()
 
 
-class ScriptedNvml:
-    """A device whose utilisation follows a script (the statistics, not NVML, under test)."""
+def test_accelerator_monitor_of_a_cpu_process_never_touches_nvml() -> None:
+    class Untouchable:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"NVML called: {name}")
 
-    def __init__(self, rates: list[int]) -> None:
+    monitor = AcceleratorMonitor(nvml=Untouchable(), enabled=False)
+    assert (monitor.available, monitor.reason, monitor.window()) == (False, "cpu_device", {})
+
+
+class ScriptedNvml:
+    """Devices whose utilisation follows a script (the statistics, not NVML, under test)."""
+
+    def __init__(self, rates: list[int], count: int = 1) -> None:
         self.rates = iter(rates)
+        self.count = count
 
     def nvmlDeviceGetCount(self) -> int:
-        return 1
+        return self.count
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if not 0 <= index < self.count:
+            raise ValueError(f"NVML_ERROR_INVALID_ARGUMENT: index {index}")
         return index
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return int(uuid.rsplit("-", 1)[1])
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        class Memory:
+            used = (handle + 1) * 2**30
+
+        return Memory()
 
     def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
         class Rates:
@@ -104,9 +134,18 @@ class ScriptedNvml:
 def test_accelerator_monitor_reports_mean_and_fluctuation() -> None:
     monitor = AcceleratorMonitor(interval_s=3600, nvml=ScriptedNvml([40, 100]))
     try:
-        assert monitor.window() == {"accelerator_util": 40.0, "accelerator_util_std": 0.0}
+        memory = {"accelerator_memory_used_bytes": float(2**30)}
+        assert monitor.window() == {
+            "accelerator_util": 40.0,
+            "accelerator_util_std": 0.0,
+            **memory,
+        }
         monitor._samples = [20.0, 60.0]  # two background samples
-        assert monitor.window() == {"accelerator_util": 40.0, "accelerator_util_std": 20.0}
+        assert monitor.window() == {
+            "accelerator_util": 40.0,
+            "accelerator_util_std": 20.0,
+            **memory,
+        }
     finally:
         monitor.close()
 
@@ -122,3 +161,56 @@ def test_utilization_status_averages_per_role_and_omits_absent() -> None:
         "trainer": {"idleFraction": 0.5, "acceleratorUtilization": 80.0},
     }
     assert build_utilization_status([Progress(role="actor", time=1.0)]) == {}
+
+
+def test_accelerator_monitor_watches_only_the_process_gpus() -> None:
+    """NVML sees every GPU of the pod: a rank watches its own (index or UUID), not all."""
+    by_index = AcceleratorMonitor(interval_s=3600, nvml=ScriptedNvml([50], count=4), devices=["2"])
+    by_uuid = AcceleratorMonitor(
+        interval_s=3600, nvml=ScriptedNvml([50, 50], count=4), devices=["GPU-aa-1", "GPU-bb-3"]
+    )
+    everything = AcceleratorMonitor(interval_s=3600, nvml=ScriptedNvml([50] * 4, count=4))
+    try:
+        assert by_index.window()["accelerator_memory_used_bytes"] == 3 * 2**30
+        assert by_uuid.window()["accelerator_memory_used_bytes"] == (2 + 4) * 2**30
+        assert everything.window()["accelerator_memory_used_bytes"] == (1 + 2 + 3 + 4) * 2**30
+    finally:
+        for monitor in (by_index, by_uuid, everything):
+            monitor.close()
+
+
+def test_accelerator_monitor_of_a_gpu_nvml_does_not_have_says_nvml_error() -> None:
+    monitor = AcceleratorMonitor(interval_s=3600, nvml=ScriptedNvml([50], count=1), devices=["5"])
+    assert (monitor.available, monitor.reason, monitor.window()) == (False, "nvml_error", {})
+
+
+@pytest.mark.parametrize(
+    ("environ", "role", "local_rank", "devices"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "4,5"}, "rollout", 0, ["4", "5"]),  # an engine's TP slice
+        ({}, "rollout", 1, None),
+        ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "trainer", 2, ["2"]),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}, "actor", 1, ["GPU-b"]),
+        ({}, "trainer", 3, ["3"]),  # cuda:LOCAL_RANK
+        ({"CUDA_VISIBLE_DEVICES": "0"}, "trainer", 1, None),
+    ],
+)
+def test_process_devices_narrow_nvml_to_the_process_gpus(environ, role, local_rank, devices):
+    assert process_devices(environ, role=role, local_rank=local_rank) == devices
+
+
+def test_phase_clock_windows_every_phase_and_resets() -> None:
+    clock = PhaseClock()
+    clock.add("train", 1.5)
+    clock.add("train", 0.5)
+    clock.add("wait", -1.0)  # a clock step backwards counts nothing
+    with clock.timing("generate"):
+        pass
+    window = clock.window()
+    assert set(window) == {f"phase_{p}_s" for p in PHASES}
+    assert window["phase_train_s"] == 2.0
+    assert window["phase_wait_s"] == 0.0
+    assert 0.0 <= window["phase_generate_s"] < 1.0
+    assert clock.window()["phase_train_s"] == 0.0
+    with pytest.raises(ValueError, match="unknown phase"):
+        clock.add("sleeping", 1.0)

@@ -18,13 +18,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["actor", "rollout", "trainer"]
 CONFIG_FILE_ENV = "RLJOB_CONFIG"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Version of the worker contract (this config, ``Progress``, ``Control``). It travels beside the
 JSON, never inside it (the first release, schema 1, forbids unknown fields and wrote no version):
 key ``schema-version`` of the config ConfigMap (a file next to ``config.json``) and of the
 progress ConfigMap. A missing key means schema 1. See docs/operations/upgrades.md, "Worker and
 operator versions"."""
 SCHEMA_KEY = "schema-version"
+HISTORY_KEY = "history"
+"""Key of the training role's progress ConfigMap holding the job's learning curves
+(``tracking.History``, written by its rank 0 under an operator of schema 8 or later;
+``rljob plot`` reads it). The operator leaves it out of the heartbeats it reads."""
+HISTORY_SINCE = 8
 
 
 def schema_version_of(text: str | None) -> int:
@@ -109,6 +114,9 @@ class TaskConfig(_Model):
     task_seed: int = 0
     dataset_path: str | None = None
     reward_function: str | None = None
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="wall-clock limit of one reward call (past it: NaN, counted)"
+    )
 
 
 class SamplingConfig(_Model):
@@ -205,6 +213,32 @@ class CheckpointConfig(_Model):
     )
 
 
+class TrackingConfig(_Model):
+    """Experiment tracking of the training role's rank 0 (see ``tracking.py``)."""
+
+    tensorboard: bool = True
+    dir: str | None = Field(None, description="tracking files (None: <checkpoint.dir>/tracking)")
+    mlflow_uri: str | None = None
+    mlflow_experiment: str | None = None
+    wandb_mode: Literal["disabled", "offline", "online"] = "disabled"
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    run_name: str = ""
+    run_id: str = Field("", description="the run's identity across resumes (the job's uid)")
+    config_hash: str = Field("", description="the hash of what the pods run (a run tag)")
+
+    def tags(self, job_namespace: str, job_name: str) -> dict[str, str]:
+        """The run's tags: the job's namespace, name, uid and config hash (the empty ones left
+        out)."""
+        tags = {
+            "rljob.namespace": job_namespace,
+            "rljob.name": job_name,
+            "rljob.uid": self.run_id,
+            "rljob.config-hash": self.config_hash,
+        }
+        return {k: v for k, v in tags.items() if v}
+
+
 class CollapseConfig(_Model):
     """When a fall of the reward (or entropy) is a collapse; see ``collapse.py``."""
 
@@ -248,6 +282,7 @@ class WorkerConfig(_Model):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     collapse: CollapseConfig = CollapseConfig()
+    tracking: TrackingConfig = TrackingConfig()
     endpoints: Endpoints = Endpoints()
     total_steps: int = 100
     seed: int = 0

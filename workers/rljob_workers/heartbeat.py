@@ -15,7 +15,15 @@ import urllib.request
 from pathlib import Path
 from typing import Protocol
 
-from rljob_workers.config import SCHEMA_KEY, SCHEMA_VERSION, Progress, Role, progress_configmap
+from rljob_workers.config import (
+    HISTORY_KEY,
+    HISTORY_SINCE,
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    Progress,
+    Role,
+    progress_configmap,
+)
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PROGRESS_DIR_ENV = "RLJOB_PROGRESS_DIR"
@@ -89,23 +97,84 @@ class KubeHeartbeat:
         return f"{self.configmaps}/{progress_configmap(self.job_name, role, self.operator_schema)}"
 
     def write(self, progress: Progress) -> None:
-        data = {
-            progress.key: progress.dump_for(self.operator_schema),
-            SCHEMA_KEY: str(SCHEMA_VERSION),
-        }
-        body = json.dumps({"data": data}).encode()
-        request = urllib.request.Request(
-            self.url(progress.role),
-            data=body,
-            method="PATCH",
-            headers={
-                "Authorization": f"Bearer {self.token}",
-                "Content-Type": "application/merge-patch+json",
-                "Accept": "application/json",
+        self.patch(
+            progress.role,
+            {
+                progress.key: progress.dump_for(self.operator_schema),
+                SCHEMA_KEY: str(SCHEMA_VERSION),
             },
         )
+
+    def patch(self, role: Role, data: dict[str, str]) -> None:
+        """Merge ``data`` into the keys of ``role``'s progress ConfigMap."""
+        self._request("PATCH", role, json.dumps({"data": data}).encode())
+
+    def read(self, role: Role, key: str) -> str | None:
+        """One key of ``role``'s progress ConfigMap (None when it is not there)."""
+        found = json.loads(self._request("GET", role, None))
+        value = (found.get("data") or {}).get(key)
+        return value if isinstance(value, str) else None
+
+    def _request(self, method: str, role: Role, body: bytes | None) -> bytes:
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/merge-patch+json"
+        request = urllib.request.Request(self.url(role), data=body, method=method, headers=headers)
         with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as resp:
-            resp.read()
+            return bytes(resp.read())
+
+
+class HistoryStore(Protocol):
+    def read(self) -> str | None: ...
+
+    def write(self, text: str) -> None: ...
+
+
+class KubeHistory:
+    """The history in the training role's progress ConfigMap (``HISTORY_KEY``)."""
+
+    def __init__(self, client: KubeHeartbeat, role: Role) -> None:
+        self.client = client
+        self.role = role
+
+    def read(self) -> str | None:
+        return self.client.read(self.role, HISTORY_KEY)
+
+    def write(self, text: str) -> None:
+        self.client.patch(self.role, {HISTORY_KEY: text})
+
+
+class FileHistory:
+    """The history in ``<output_dir>/history.json`` (a local run), replaced atomically."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def read(self) -> str | None:
+        try:
+            return self.path.read_text()
+        except OSError:
+            return None
+
+    def write(self, text: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)
+
+
+def history_store_from_env(
+    namespace: str, job_name: str, role: Role, output_dir: str, operator_schema: int
+) -> HistoryStore | None:
+    """Where the training role's rank 0 keeps the job's history: in a pod, the progress
+    ConfigMap (None under an operator older than schema 8, which would not expect the key);
+    otherwise ``<output_dir>/history.json``. Under the in-pod supervisor too: the history is
+    one process's, not a merged report."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").exists():
+        if operator_schema < HISTORY_SINCE:
+            return None
+        return KubeHistory(KubeHeartbeat.in_cluster(namespace, job_name, operator_schema), role)
+    return FileHistory(Path(output_dir) / "history.json")
 
 
 def heartbeat_from_env(

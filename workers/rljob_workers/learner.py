@@ -486,12 +486,12 @@ class Learner:
 
         Every value is the whole batch's, over all ranks (``reduce_metrics``): a rank reports
         what the job learned, not its own shard. Always present: ``optimizer_steps`` (this
-        update's), ``tokens``. With rows anywhere also ``advantage_var`` (of the sequence
-        advantages) and ``behaviour_logprob_gap`` (mean ``|behaviour - old|`` log-prob over
-        every token, stale ones included); with rows sampled at the learner's weights the
-        train/inference mismatch on those tokens: ``logprob_mismatch_mean`` and ``_max``
-        (``|behaviour - old|``), ``logprob_mismatch_kl`` (k3 estimate of KL(behaviour || trainer))
-        and ``logprob_mismatch_tokens``.
+        update's), ``tokens``. With rows anywhere also ``advantage_mean`` and
+        ``advantage_var`` (of the sequence advantages) and ``behaviour_logprob_gap`` (mean
+        ``|behaviour - old|`` log-prob over every token, stale ones included); with rows sampled
+        at the learner's weights the train/inference mismatch on those tokens:
+        ``logprob_mismatch_mean`` and ``_max`` (``|behaviour - old|``), ``logprob_mismatch_kl``
+        (k3 estimate of KL(behaviour || trainer)) and ``logprob_mismatch_tokens``.
         """
         epochs, minibatches = self.schedule(max_versions_behind)
         prepared = self.prepare(experience)
@@ -789,6 +789,7 @@ def reduce_metrics(
     rows = got["_advantage_sum"][1]
     if rows:
         mean = got["_advantage_sum"][0] / rows
+        out["advantage_mean"] = mean
         spread = got["_advantage_square_sum"][0] - rows * mean * mean
         out["advantage_var"] = max(spread, 0.0) / (rows - 1) if rows > 1 else 0.0
     for name in ("behaviour_logprob_gap", *_MISMATCH_MEANS):

@@ -22,6 +22,7 @@ import errno
 import json
 import logging
 import math
+import os
 import resource
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,8 +31,18 @@ from typing import IO, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from rljob_workers.config import SCHEMA_VERSION, ProcessEnv, Progress, WorkerConfig
-from rljob_workers.heartbeat import heartbeat_from_env
-from rljob_workers.utilization import AcceleratorMonitor, IdleAccount
+from rljob_workers.heartbeat import heartbeat_from_env, history_store_from_env
+from rljob_workers.tasks import REWARD_FAILURE_REASONS
+from rljob_workers.tracking import Tracker, build_tracker
+from rljob_workers.utilization import (
+    IDLE_REASONS,
+    PHASES,
+    AcceleratorMonitor,
+    IdleAccount,
+    PhaseClock,
+    phase_key,
+    process_devices,
+)
 
 __all__ = [
     "STEP_GAUGES",
@@ -60,6 +71,7 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "kl": ("rljob_kl", "KL estimate of the last step (to the reference policy when one is set)"),
     "entropy": ("rljob_entropy", "Mean per-token policy entropy (nats)"),
     "clip_fraction": ("rljob_clip_fraction", "Fraction of tokens whose ratio was clipped"),
+    "advantage_mean": ("rljob_advantage_mean", "Mean of the sequence advantages of the step"),
     "advantage_var": ("rljob_advantage_variance", "Variance of the sequence advantages"),
     "logprob_mismatch_mean": (
         "rljob_logprob_mismatch_mean",
@@ -74,7 +86,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rljob_logprob_mismatch_kl",
         "Train/inference mismatch: k3 estimate of KL(rollout || trainer) per token (nats)",
     ),
-    "tokens_per_s": ("rljob_tokens_per_second", "Generated tokens per second of step time"),
+    "tokens_per_s": (
+        "rljob_tokens_per_second",
+        "Effective tokens per second of step time: generated (rollout, actor) or trained (trainer)",
+    ),
+    "tokens_per_s_per_gpu": (
+        "rljob_tokens_per_second_per_gpu",
+        "rljob_tokens_per_second divided by the GPUs the process computes on (absent on CPU)",
+    ),
     "policy_lag_ms": ("rljob_policy_lag_ms", "optimizer.step() to engine serving the weights"),
     "policy_lag_versions": ("rljob_policy_lag_versions", "Versions the samples lagged"),
     "buffer_age_s": ("rljob_buffer_age_seconds", "Age of the oldest sample used or buffered"),
@@ -87,11 +106,22 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rljob_accelerator_utilization_stddev",
         "Fluctuation (standard deviation) of GPU utilisation over the step (NVML)",
     ),
+    "accelerator_memory_used_bytes": (
+        "rljob_accelerator_memory_used_bytes",
+        "GPU memory in use on the process's GPUs, summed (NVML; the whole device, every process)",
+    ),
 }
 """Step-record key -> (Prometheus gauge name, help)."""
 
 LAG_MS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, 5000.0)
 STEP_TIME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+STALENESS_LABELS = ("0", "1", "2", "3", "4+")
+"""``versions_behind`` label values of ``rljob_consumed_samples_total`` (4 and more share one)."""
+
+
+def staleness_label(versions_behind: int) -> str:
+    """The ``versions_behind`` label of a sample that many versions behind (bounded)."""
+    return STALENESS_LABELS[-1] if versions_behind >= 4 else str(max(0, versions_behind))
 
 
 def metrics_log_path(output_dir: str | Path, role: str, rank: int) -> Path:
@@ -154,8 +184,74 @@ class WorkerMetrics:
             [*names, "quantity"],
             registry=self.registry,
         )
+        self._phase_last = Gauge(
+            "rljob_last_step_phase_seconds",
+            "Seconds of the last step (or rollout batch) spent per phase: generate, reward, "
+            "train, weight_sync, wait",
+            [*names, "phase"],
+            registry=self.registry,
+        )
+        self._phase_total = Counter(
+            "rljob_step_phase_seconds",
+            "Seconds spent per phase since the process started (rate(): the share of wall time)",
+            [*names, "phase"],
+            registry=self.registry,
+        )
+        self._idle_reason = Gauge(
+            "rljob_idle_fraction_by_reason",
+            "Fraction of the last window's wall time the process waited, by what it waited for",
+            [*names, "reason"],
+            registry=self.registry,
+        )
+        self._consumed = Counter(
+            "rljob_consumed_samples",
+            "Samples trained on, by how many policy versions behind the learner they were "
+            "generated (4+: four or more)",
+            [*names, "versions_behind"],
+            registry=self.registry,
+        )
+        self._reward_failures = Counter(
+            "rljob_reward_failures",
+            "Reward calls that scored NaN: ran past task.reward.timeoutSeconds (timeout) or "
+            "raised (error)",
+            [*names, "reason"],
+            registry=self.registry,
+        )
+        self._accelerator = Gauge(
+            "rljob_accelerator_metrics_available",
+            "1 with reason=nvml where NVML measures the process's GPUs; 0 with the reason the "
+            "GPU metrics are absent (cpu_device, no_nvml_package, no_driver, no_gpu, nvml_error)",
+            [*names, "reason"],
+            registry=self.registry,
+        )
         self.port: int | None = None
         self._server: Any = None
+
+    def set_accelerator(self, reason: str) -> None:
+        """Whether the GPU metrics exist for this process, and if not, why (once, at start)."""
+        self._accelerator.labels(**self._labels, reason=reason).set(1 if reason == "nvml" else 0)
+
+    def export_phases(self) -> None:
+        """Every phase's series at 0 (before the first step: rate() sees them from the start)."""
+        for phase in PHASES:
+            self._phase_total.labels(**self._labels, phase=phase)
+
+    def export_reward_failures(self) -> None:
+        """The reward failure counters at 0 (processes that score samples)."""
+        for reason in REWARD_FAILURE_REASONS:
+            self._reward_failures.labels(**self._labels, reason=reason)
+
+    def count_reward_failures(self, reason: str, count: int) -> None:
+        if count > 0:
+            self._reward_failures.labels(**self._labels, reason=reason).inc(count)
+
+    def count_consumed(self, histogram: Mapping[str, Any]) -> None:
+        """Add one step's trained samples by versions behind (``{"0": 12, "1": 4}``)."""
+        for behind, count in histogram.items():
+            if isinstance(count, int) and count > 0 and str(behind).isdigit():
+                self._consumed.labels(
+                    **self._labels, versions_behind=staleness_label(int(behind))
+                ).inc(count)
 
     def set_layout(self, *, world_size: int, processes_per_pod: int, tensor_parallel: int) -> None:
         """The process's place in its job (constant for the life of the process)."""
@@ -206,6 +302,18 @@ class WorkerMetrics:
         step_time = _finite(record.get("step_time_s"))
         if step_time is not None:
             self._step_time.labels(**self._labels).observe(step_time)
+        for phase in PHASES:
+            seconds = _finite(record.get(phase_key(phase)))
+            if seconds is not None:
+                self._phase_last.labels(**self._labels, phase=phase).set(seconds)
+                self._phase_total.labels(**self._labels, phase=phase).inc(max(0.0, seconds))
+        for reason in IDLE_REASONS:
+            share = _finite(record.get(f"idle_{reason}"))
+            if share is not None:
+                self._idle_reason.labels(**self._labels, reason=reason).set(share)
+        histogram = record.get("staleness_histogram")
+        if isinstance(histogram, Mapping):
+            self.count_consumed(histogram)
 
     def count_dropped(self, reason: str, count: int) -> None:
         """Add ``count`` samples dropped for ``reason`` (e.g. ``no_signal``, ``stale_version``).
@@ -323,25 +431,80 @@ class RoleReporter:
             else None
         )
         self._dropped_exported: dict[str, int] = {}
+        self._failures_exported: dict[str, int] = {}
         self.idle_account = IdleAccount()
-        self.accelerator = AcceleratorMonitor()
+        self.phases = PhaseClock()
+        self.exporter.export_phases()
+        if env.role != "trainer":  # rollouts and colocated actors score their samples
+            self.exporter.export_reward_failures()
+        self.accelerator = AcceleratorMonitor(
+            devices=process_devices(os.environ, role=env.role, local_rank=env.local_rank),
+            enabled=config.device == "cuda",
+        )
+        self.exporter.set_accelerator(self.accelerator.reason)
+        # experiment tracking: the training role's rank 0 (the records the status shows)
+        self.tracker: Tracker | None = None
+        if env.role in ("trainer", "actor") and env.rank == 0:
+            store = history_store_from_env(
+                config.job_namespace,
+                config.job_name,
+                env.role,
+                config.output_dir,
+                operator_schema(env),
+            )
+            self.tracker = build_tracker(config, history_store=store)
+        self._last_step = 0
+        # the GPUs one process computes on: an engine spans its tensor-parallel group
+        self.gpus = (
+            (config.rollout.tensor_parallel_size if env.role == "rollout" else 1)
+            if config.device == "cuda"
+            else 0
+        )
 
     def utilization(self) -> dict[str, float]:
-        """Idle fractions and accelerator utilisation since the previous call (record keys)."""
-        return {**self.idle_account.window(), **self.accelerator.window()}
+        """Idle fractions, accelerator utilisation and the phase seconds since the previous
+        call (record keys)."""
+        return {
+            **self.idle_account.window(),
+            **self.accelerator.window(),
+            **self.phases.window(),
+        }
+
+    def per_gpu(self, record: Mapping[str, Any]) -> dict[str, float]:
+        """``tokens_per_s_per_gpu`` where the process computes on GPUs (else nothing)."""
+        tokens = _finite(record.get("tokens_per_s"))
+        if not self.gpus or tokens is None:
+            return {}
+        return {"tokens_per_s_per_gpu": tokens / self.gpus}
 
     def record(
-        self, record: Mapping[str, Any], *, dropped: Mapping[str, int] | None = None
+        self,
+        record: Mapping[str, Any],
+        *,
+        dropped: Mapping[str, int] | None = None,
     ) -> None:
-        """Write one record; ``dropped`` (cumulative counts by reason) feeds the counters."""
+        """Write one record; ``dropped`` (cumulative counts by reason) and the record's
+        cumulative ``reward_timeouts`` / ``reward_errors`` feed the counters."""
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        record = {**record, **self.per_gpu(record)}
         self.sink.write(
             {**record, "role": self.env.role, "rank": self.env.rank, "peak_rss_mb": peak_rss_mb}
         )
         self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
+        if self.tracker is not None:
+            self.tracker.log(record)
+        if isinstance(record.get("step"), int):
+            self._last_step = int(record["step"])
         for reason, total in (dropped or {}).items():
             self.exporter.count_dropped(reason, total - self._dropped_exported.get(reason, 0))
             self._dropped_exported[reason] = total
+        for reason, key in (("timeout", "reward_timeouts"), ("error", "reward_errors")):
+            failed = record.get(key)
+            if isinstance(failed, int):
+                self.exporter.count_reward_failures(
+                    reason, failed - self._failures_exported.get(reason, 0)
+                )
+                self._failures_exported[reason] = failed
 
     def beat(self, progress: Progress) -> None:
         """Report progress to the operator; a failed report is logged, never fatal."""
@@ -353,7 +516,9 @@ class RoleReporter:
             log.warning("progress report failed: %s", exc)
 
     def close(self) -> None:
-        """Close the JSONL file and stop the endpoint."""
+        """Close the tracking runs and the JSONL file, and stop the endpoint."""
+        if self.tracker is not None:
+            self.tracker.close(finished=self._last_step >= self.config.total_steps)
         self.accelerator.close()
         self.sink.close()
         self.exporter.close()

@@ -184,3 +184,60 @@ def write_plots(
         plt.close(figure)
         written.append(path)
     return written
+
+
+HISTORY_LABELS = {
+    "reward_mean": "mean reward",
+    "kl": "KL",
+    "entropy": "entropy (nats)",
+    "policy_lag_ms": "policy lag (ms)",
+    "tokens_per_s": "tokens/s",
+    "step_time_s": "step time (s)",
+    "idle_fraction": "idle fraction",
+    "advantage_var": "advantage variance",
+}
+
+
+def plot_history(
+    steps: Sequence[int],
+    series: Mapping[str, Sequence[float | None]],
+    path: str | Path,
+    *,
+    title: str,
+) -> Path:
+    """One PNG of a job's learning curves (``tracking.History``): a panel per curve, the
+    steps on x; a curve with no point says so in its panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(series)
+    columns = 4
+    rows = max(1, math.ceil(len(keys) / columns))
+    figure, grid = plt.subplots(rows, columns, figsize=(4.0 * columns, 3.0 * rows), dpi=100)
+    axes_list = list(grid.flat) if hasattr(grid, "flat") else [grid]
+    for axes, key in zip(axes_list, keys, strict=False):
+        points = [
+            (float(s), float(v))
+            for s, v in zip(steps, series[key], strict=False)
+            if v is not None and math.isfinite(v)
+        ]
+        label = HISTORY_LABELS.get(key, key)
+        if points:
+            xs, ys = zip(*points, strict=True)
+            axes.plot(xs, ys, marker="." if len(points) < 40 else None)
+        else:
+            axes.text(0.5, 0.5, "no data", ha="center", va="center", transform=axes.transAxes)
+        axes.set_title(label)
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+    for axes in axes_list[len(keys) :]:
+        axes.set_visible(False)
+    figure.suptitle(title)
+    figure.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
+    plt.close(figure)
+    return out

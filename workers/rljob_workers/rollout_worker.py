@@ -40,7 +40,13 @@ from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.engine import Completion, RolloutEngine, build_engine
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.staleness import effective_max_versions, must_hold
-from rljob_workers.tasks import PromptSampler, TaskData, load_task_data, score_groups
+from rljob_workers.tasks import (
+    PromptSampler,
+    RewardScorer,
+    TaskData,
+    load_task_data,
+    score_groups,
+)
 from rljob_workers.transport import ExperienceClient, client_context, token_from_env
 from rljob_workers.weightsync import WeightClient
 
@@ -98,6 +104,7 @@ class RolloutWorker:
             f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True, tls=tls
         )
         self.task: TaskData = load_task_data(config.task)
+        self.scorer = RewardScorer(self.task.reward, timeout_s=config.task.reward_timeout_s)
         # one shard per engine: the pod's engines (local ranks) are ranks of their own
         self.shard = shard_prompts(len(self.task.prompts), env.rank, env.world_size)
         boot_seed = secrets.randbits(31)
@@ -158,7 +165,7 @@ class RolloutWorker:
         control = self.control.poll()
         if control.paused:
             self._beat()
-            with self.reporter.idle_account.waiting("paused"):
+            with self.reporter.idle_account.waiting("paused"), self.reporter.phases.timing("wait"):
                 self.stop.wait(RETRY_S)
             return
         self._load_latest(after=self.engine.weights_version, wait_s=0.0)
@@ -167,13 +174,19 @@ class RolloutWorker:
         started = time.perf_counter()
         trajectories, tokens = self._generate()
         generated = time.perf_counter()
-        with self.reporter.idle_account.waiting("wait_trainer"):
+        with (
+            self.reporter.idle_account.waiting("wait_trainer"),
+            self.reporter.phases.timing("wait"),
+        ):
             self._deliver(trajectories)
         self.batches += 1
         self._record(trajectories, tokens, generated - started, time.perf_counter() - started)
         throttle = min(1.0, max(MIN_THROTTLE, control.rollout_throttle))
         if throttle < 1.0:
-            with self.reporter.idle_account.waiting("throttled"):
+            with (
+                self.reporter.idle_account.waiting("throttled"),
+                self.reporter.phases.timing("wait"),
+            ):
                 self.stop.wait((generated - started) * (1.0 / throttle - 1.0))
 
     def _may_generate(self, control: Control) -> bool:
@@ -194,7 +207,10 @@ class RolloutWorker:
         if not must_hold(answer.policy_version, serving, limit):
             return True
         started = time.monotonic()
-        with self.reporter.idle_account.waiting("wait_weights"):
+        with (
+            self.reporter.idle_account.waiting("wait_weights"),
+            self.reporter.phases.timing("wait"),
+        ):
             self._load_latest(after=serving, wait_s=HOLD_WAIT_S)
         self.held_s += time.monotonic() - started
         self._beat()
@@ -209,7 +225,8 @@ class RolloutWorker:
             return False
         if received is None:
             return False
-        self.engine.load_weights(received.version, received.weights)
+        with self.reporter.phases.timing("weight_sync"):
+            self.engine.load_weights(received.version, received.weights)
         self.served_at = self.clock()
         self.weights_latency_ms = (self.served_at - received.weights.published_at) * 1000.0
         return True
@@ -220,6 +237,7 @@ class RolloutWorker:
         sampling = self.config.rollout.sampling
         indices = [self.shard[i] for i in self.sampler.next_indices(self.prompts_per_batch)]
         version = self.engine.weights_version
+        generation_started = time.perf_counter()
         completions = self.engine.generate(
             [self.task.prompts[i] for i in indices],
             n=sampling.n,
@@ -230,12 +248,14 @@ class RolloutWorker:
             min_p=sampling.min_p,
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng)),
         )
+        scored_at = time.perf_counter()
+        self.reporter.phases.add("generate", scored_at - generation_started)
         if self.first_generation_version is None:
             self.first_generation_version = version
         created = self.clock()
         n = sampling.n
         scored = score_groups(
-            self.task.reward,
+            self.scorer,
             [c.text for c in completions],
             [self.task.answers[i] for i in indices for _ in range(n)],
             [len(c.token_ids) for c in completions],
@@ -243,6 +263,7 @@ class RolloutWorker:
             overlong=self.config.algorithm.overlong,
         )
         self.invalid_samples += scored.invalid_samples
+        self.reporter.phases.add("reward", time.perf_counter() - scored_at)
         trajectories: list[Trajectory] = []
         for g, valid in enumerate(scored.valid):
             if valid:
@@ -325,6 +346,8 @@ class RolloutWorker:
             "step_time_s": batch_s,
             "held_s": self.held_s,
             "dropped_nonfinite": self.invalid_samples,
+            "reward_timeouts": self.scorer.failures["timeout"],
+            "reward_errors": self.scorer.failures["error"],
             "acked": stats.acked,
             "pending": self.experience.pending,
             "retries": stats.retries,

@@ -14,7 +14,9 @@ Rewards are plain functions ``(response_text, answer) -> float``; the default is
 Both topologies draw their prompts and score their samples here: ``load_task_data`` (prompts,
 answers and reward of a job), ``PromptSampler`` (the checkpointable, reshuffled walk over them)
 and ``score_groups`` (task reward, DAPO overlong shaping, and the groups a non-finite reward
-disqualifies).
+disqualifies). ``RewardScorer`` calls the reward function for a batch concurrently, off the
+generation thread, each call with a time limit: a call that raises or runs past it scores NaN
+(its group is left out, as any non-finite reward's) and is counted by reason, never fatal.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import importlib
 import json
 import logging
 import math
+import queue
 import random
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,8 +304,91 @@ class GroupScores:
         return group * sum(1 for ok in self.valid if not ok)
 
 
+REWARD_FAILURE_REASONS = ("timeout", "error")
+"""Why a reward call scored NaN: it ran past ``task.reward.timeoutSeconds`` or it raised."""
+
+
+class RewardScorer:
+    """Calls a reward function on a batch concurrently (``workers`` daemon threads), each call
+    with a wall-clock limit counted from when it starts.
+
+    A call that raises, returns a non-number or runs past ``timeout_s`` scores NaN and is
+    counted in ``failures`` (``timeout`` / ``error``). A Python thread cannot be killed, so a
+    call past its limit is abandoned to finish in the background (its thread is a daemon: it
+    never holds the process at exit) and a fresh thread takes its place: a hung reward costs
+    the batch its limit once, never the worker its scoring capacity.
+    """
+
+    def __init__(self, reward: RewardFunction, *, timeout_s: float, workers: int = 4) -> None:
+        self.reward = reward
+        self.timeout_s = timeout_s
+        self.workers = max(1, workers)
+        self.failures: dict[str, int] = dict.fromkeys(REWARD_FAILURE_REASONS, 0)
+
+    def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> list[float]:
+        """One reward per (text, answer); NaN for a failed or timed-out call."""
+        if len(texts) != len(answers):
+            raise ValueError(f"{len(texts)} responses for {len(answers)} answers")
+        todo = queue.SimpleQueue[int]()
+        for index in range(len(texts)):
+            todo.put(index)
+        state = threading.Condition()
+        started: dict[int, float] = {}
+        results: dict[int, float | BaseException] = {}
+        given_up: set[int] = set()
+
+        def work() -> None:
+            while True:
+                try:
+                    index = todo.get_nowait()
+                except queue.Empty:
+                    return
+                with state:
+                    started[index] = time.monotonic()
+                outcome: float | BaseException
+                try:
+                    outcome = float(self.reward(texts[index], answers[index]))
+                except Exception as exc:  # a user's reward function: anything can go wrong
+                    outcome = exc
+                with state:
+                    if index in given_up:
+                        return  # timed out meanwhile: a replacement thread took over
+                    results[index] = outcome
+                    state.notify_all()
+
+        def spawn() -> None:
+            threading.Thread(target=work, name="reward", daemon=True).start()
+
+        for _ in range(min(self.workers, len(texts))):
+            spawn()
+        with state:
+            while len(results) + len(given_up) < len(texts):
+                now = time.monotonic()
+                for index, began in started.items():
+                    if index in results or index in given_up or now - began <= self.timeout_s:
+                        continue
+                    given_up.add(index)
+                    self.failures["timeout"] += 1
+                    log.warning(
+                        "the reward function ran past task.reward.timeoutSeconds (%.3g s) on "
+                        "sample %d: scored NaN",
+                        self.timeout_s,
+                        index,
+                    )
+                    spawn()
+                state.wait(timeout=min(0.05, self.timeout_s))
+        out = [math.nan] * len(texts)
+        for index, outcome in results.items():
+            if isinstance(outcome, BaseException):
+                self.failures["error"] += 1
+                log.warning("the reward function failed on sample %d: %r", index, outcome)
+            else:
+                out[index] = outcome
+        return out
+
+
 def score_groups(
-    reward: RewardFunction,
+    reward: Callable[[Sequence[str], Sequence[str]], list[float]],
     texts: Sequence[str],
     answers: Sequence[str],
     lengths: Sequence[int],
@@ -308,8 +396,9 @@ def score_groups(
     n: int,
     overlong: OverlongConfig,
 ) -> GroupScores:
-    """Score samples laid out as contiguous groups of ``n`` (one answer per sample)."""
-    rewards = [float(reward(text, answer)) for text, answer in zip(texts, answers, strict=True)]
+    """Score samples laid out as contiguous groups of ``n`` (one answer per sample);
+    ``reward`` scores a batch (a ``RewardScorer``)."""
+    rewards = [float(r) for r in reward(texts, answers)]
     scores = list(rewards)
     if overlong.enabled:
         import torch

@@ -328,6 +328,7 @@ class TrainerWorker:
         started = time.perf_counter()
         groups, waited_s, starving = self._next_batch()
         self.reporter.idle_account.add("wait_experience", waited_s)
+        self.reporter.phases.add("wait", waited_s)
         trained_at = time.perf_counter()
         flat = [t for group in groups for t in group]
         sampled_rewards, self._taken_rewards = self._taken_rewards, []
@@ -339,15 +340,17 @@ class TrainerWorker:
         metrics: dict[str, Any] = {}
         publish: dict[str, Any] = {}
         if groups:
-            metrics = self.learner.update(
-                experience_of(rows, current),
-                seed=(self.config.seed * 1_000_003 + self.step) % 2**31,
-            )
+            with self.reporter.phases.timing("train"):
+                metrics = self.learner.update(
+                    experience_of(rows, current),
+                    seed=(self.config.seed * 1_000_003 + self.step) % 2**31,
+                )
             metrics.pop("optimizer_steps")
         self.step += 1
         if groups:
             self.version += 1
-            publish = self._publish(self.learner.last_step_wall)
+            with self.reporter.phases.timing("weight_sync"):
+                publish = self._publish(self.learner.last_step_wall)
         health: dict[str, Any] = {"step": self.step, "reward_mean": _mean(sampled_rewards)}
         health["entropy"] = metrics.get("entropy")
         health.update({k: v for k, v in metrics.items() if k.startswith("logprob_mismatch_")})

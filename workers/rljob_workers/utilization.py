@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,6 +33,46 @@ IDLE_REASONS = (
     "paused",
     "throttled",
 )
+
+
+PHASES = ("generate", "reward", "train", "weight_sync", "wait")
+"""Where a step's wall time goes: generating, scoring, the optimizer update, moving weights to
+the engines (publish, pull, load, sleep/wake), and waiting (for experience, weights, the
+trainer's acknowledgement, a pause or the throttle)."""
+
+
+def phase_key(phase: str) -> str:
+    """The record key of a phase's seconds: ``phase_<phase>_s``."""
+    return f"phase_{phase}_s"
+
+
+class PhaseClock:
+    """Seconds per phase (``PHASES``) since the last window, as record keys ``phase_<p>_s``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; one of {', '.join(PHASES)}")
+        with self._lock:
+            self._seconds[phase] = self._seconds.get(phase, 0.0) + max(0.0, seconds)
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Count the time spent inside the block as ``phase``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - started)
+
+    def window(self) -> dict[str, float]:
+        """Every phase's seconds since the last window (0 for a phase with none); resets."""
+        with self._lock:
+            seconds, self._seconds = self._seconds, {}
+        return {phase_key(p): seconds.get(p, 0.0) for p in PHASES}
 
 
 class IdleAccount:
@@ -74,37 +114,93 @@ class IdleAccount:
         return out
 
 
-def _nvml() -> Any | None:
-    """The initialised ``pynvml`` module, or None without the package, a driver or a GPU."""
+ACCELERATOR_ABSENT_REASONS = ("cpu_device", "no_nvml_package", "no_driver", "no_gpu", "nvml_error")
+"""Why a process exports no GPU utilisation: its device is the CPU, ``nvidia-ml-py`` is not
+installed, no NVIDIA driver answered, NVML sees no GPU, or NVML failed on this process's GPUs."""
+
+
+def _nvml() -> tuple[Any | None, str]:
+    """The initialised ``pynvml`` module and ``"nvml"``, or None and the reason it is absent."""
     try:
         import pynvml  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        return None
+        return None, "no_nvml_package"
     try:
         pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: no driver here
+        return None, "no_driver"
+    try:
         if pynvml.nvmlDeviceGetCount() < 1:
-            return None
-    except Exception:  # NVMLError and its many subclasses: no usable GPU here
-        return None
-    return pynvml
+            return None, "no_gpu"
+    except Exception:
+        return None, "nvml_error"
+    return pynvml, "nvml"
+
+
+def process_devices(environ: Mapping[str, str], *, role: str, local_rank: int) -> list[str] | None:
+    """The GPUs (``CUDA_VISIBLE_DEVICES`` entries) this process computes on, for NVML, which
+    ignores ``CUDA_VISIBLE_DEVICES`` and sees every GPU of the pod: a rollout engine's own slice
+    (the supervisor sets it), a trainer or actor rank's ``cuda:LOCAL_RANK``. None: every GPU
+    NVML sees (nothing narrows it)."""
+    visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return None if role == "rollout" else [str(local_rank)]
+    if role == "rollout":
+        return visible
+    return [visible[local_rank]] if local_rank < len(visible) else None
 
 
 class AcceleratorMonitor:
-    """Background NVML sampler of GPU utilisation (%) of the devices this process sees."""
+    """Background NVML sampler of GPU utilisation (%) and memory of this process's GPUs.
 
-    def __init__(self, interval_s: float = 0.5, nvml: Any | None = None) -> None:
-        self._nvml = nvml if nvml is not None else _nvml()
+    ``reason`` says whether it measures (``"nvml"``) or why not (``ACCELERATOR_ABSENT_REASONS``);
+    ``devices`` are ``CUDA_VISIBLE_DEVICES`` entries (indices or ``GPU-`` UUIDs), None for every
+    GPU NVML sees. ``enabled=False`` (a CPU process) never touches NVML.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = 0.5,
+        nvml: Any | None = None,
+        *,
+        devices: Sequence[str] | None = None,
+        enabled: bool = True,
+    ) -> None:
         self._samples: list[float] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._handles: list[Any] = []
+        if not enabled:
+            self._nvml, self.reason = None, "cpu_device"
+        elif nvml is not None:
+            self._nvml, self.reason = nvml, "nvml"
+        else:
+            self._nvml, self.reason = _nvml()
         if self._nvml is not None:
-            count = self._nvml.nvmlDeviceGetCount()
-            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            try:
+                self._handles = self._resolve(devices)
+            except Exception:  # an index NVML does not have, a MIG slice, ...
+                self._handles = []
+            if not self._handles:
+                self._nvml, self.reason = None, "nvml_error"
+        if self._nvml is not None:
             self._thread = threading.Thread(
                 target=self._run, args=(interval_s,), name="nvml", daemon=True
             )
             self._thread.start()
+
+    def _resolve(self, devices: Sequence[str] | None) -> list[Any]:
+        nvml = self._nvml
+        assert nvml is not None
+        if devices is None:
+            return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        return [
+            nvml.nvmlDeviceGetHandleByIndex(int(d))
+            if d.isdigit()
+            else nvml.nvmlDeviceGetHandleByUUID(d)
+            for d in devices
+        ]
 
     @property
     def available(self) -> bool:
@@ -117,25 +213,42 @@ class AcceleratorMonitor:
         rates = [float(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles]
         return statistics.fmean(rates)
 
+    def memory_used(self) -> float | None:
+        """Bytes in use on this process's GPUs now, summed (None where NVML cannot say)."""
+        if self._nvml is None or not hasattr(self._nvml, "nvmlDeviceGetMemoryInfo"):
+            return None
+        try:
+            return float(sum(self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles))
+        except Exception:
+            return None
+
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            value = self.sample()
+            try:
+                value = self.sample()
+            except Exception:  # a GPU fallen off the bus: keep the process, lose the sample
+                continue
             with self._lock:
                 self._samples.append(value)
 
     def window(self) -> dict[str, float]:
-        """``accelerator_util`` (mean %) and ``accelerator_util_std`` since the last window;
-        empty without NVML (absent, never 0)."""
+        """``accelerator_util`` (mean %), ``accelerator_util_std`` and
+        ``accelerator_memory_used_bytes`` since the last window; empty without NVML (absent,
+        never 0: the reason is in ``reason``)."""
         if self._nvml is None:
             return {}
         with self._lock:
             samples, self._samples = self._samples, []
         if not samples:
             samples = [self.sample()]
-        return {
+        out = {
             "accelerator_util": statistics.fmean(samples),
             "accelerator_util_std": statistics.pstdev(samples),
         }
+        memory = self.memory_used()
+        if memory is not None:
+            out["accelerator_memory_used_bytes"] = memory
+        return out
 
     def close(self) -> None:
         """Stop the sampler."""

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from rljob_operator.api.cel import CelRule, SpecModel
+from rljob_operator.api.cel import CelRule, SpecModel, _nested
 from rljob_operator.api.fields import (
     _DNS_LABEL,
     _DNS_SUBDOMAIN,
@@ -237,3 +237,56 @@ class Scheduling(SpecModel):
         description="Tolerations added to every pod. Pods that request GPUs also tolerate the "
         "nvidia.com/gpu taint (NoSchedule) that GPU node pools usually carry.",
     )
+
+
+class TensorBoardTracking(SpecModel):
+    """TensorBoard event files on the checkpoint volume."""
+
+    enabled: bool = Field(
+        True,
+        description="Write each step's scalars as TensorBoard event files under "
+        "<spec.checkpoint.path>/tracking/tensorboard on the checkpoint volume (they outlive the "
+        "pods; a resumed job continues the same curves).",
+    )
+
+
+class MLflowTracking(SpecModel):
+    """An MLflow tracking server (REST API; no client library in the image)."""
+
+    tracking_uri: str = Field(
+        max_length=_PATH_MAX,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="The server's base URL, e.g. http://mlflow.mlops.svc:5000. Credentials as "
+        "MLflow's client reads them, from the pods' environment: MLFLOW_TRACKING_TOKEN, or "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (spec.worker.env from a Secret).",
+    )
+    experiment: str | None = Field(
+        None,
+        max_length=_NAME_MAX,
+        description="Experiment name (created when missing). Unset: the job's namespace.",
+    )
+
+
+class WandbTracking(SpecModel):
+    """Weights & Biases."""
+
+    project: str = Field(max_length=_NAME_MAX, min_length=1, description="W&B project.")
+    entity: str | None = Field(None, max_length=_NAME_MAX, description="W&B entity (team).")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="online: to the W&B server, with WANDB_API_KEY (and WANDB_BASE_URL for a "
+        "self-hosted one) in the pods' environment (spec.worker.env from a Secret). offline: "
+        "run files under <spec.checkpoint.path>/tracking/wandb, for `wandb sync`.",
+    )
+
+
+class Tracking(SpecModel):
+    """Experiment tracking: every training step's scalars (reward, KL, entropy, advantage,
+    policy lag, tokens/s, step-time phases, idle fractions, GPU use) logged by the training
+    role's rank 0. Runs are named after the job and tagged with its namespace, uid and config
+    hash; a resumed job continues its run. A tracking server that is down never stops the
+    training (failures are logged and the step goes on)."""
+
+    tensorboard: TensorBoardTracking = _nested(TensorBoardTracking, "TensorBoard event files.")
+    mlflow: MLflowTracking | None = Field(None, description="Log to an MLflow tracking server.")
+    wandb: WandbTracking | None = Field(None, description="Log to Weights & Biases.")

@@ -86,6 +86,14 @@ class Reward(SpecModel):
         "answer) -> float, importable in the worker image. Unset: the built-in exact-match "
         "reward (1.0 when the response equals the answer, else 0.0).",
     )
+    timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Wall-clock limit of one reward call. A call that runs past it or raises "
+        "scores NaN: its group is left out of the step, the failure is counted "
+        "(rljob_reward_failures_total{reason=timeout|error}) and the worker goes on.",
+    )
 
 
 class Task(SpecModel):

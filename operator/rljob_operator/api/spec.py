@@ -27,7 +27,7 @@ from rljob_operator.api.cel import (
     _spec_models,
 )
 from rljob_operator.api.errors import RULE_ERROR
-from rljob_operator.api.lifecycle import Checkpoint, Collapse, FailurePolicy, Scheduling
+from rljob_operator.api.lifecycle import Checkpoint, Collapse, FailurePolicy, Scheduling, Tracking
 from rljob_operator.api.model_task import Model, Task
 from rljob_operator.api.pods import PodTemplateOverrides, WorkerPods, _under, positive_size
 from rljob_operator.api.rollout import Rollout
@@ -94,6 +94,9 @@ class _SpecCommon(SpecModel):
         Collapse, "The collapse signal: a task reward (or entropy) that falls fast."
     )
     failure_policy: FailurePolicy = _nested(FailurePolicy, "Restart policy.")
+    tracking: Tracking = _nested(
+        Tracking, "Experiment tracking: TensorBoard (on by default), MLflow, W&B."
+    )
     suspend: bool = Field(
         False,
         description="Delete the job's pods and keep the object (checkpoints stay); set back to "

@@ -16,6 +16,7 @@ from rljob_operator.builders import JobRef, Role, Topology, pod_name, progress_n
 from rljob_operator.plan import build_plan_summary
 from rljob_operator.reconcile.shared import EventSpec, Observed, _Pass, _pod_phase, _seconds
 from rljob_workers.config import (
+    HISTORY_KEY,
     SCHEMA_KEY,
     SCHEMA_VERSION,
     MismatchReport,
@@ -111,6 +112,7 @@ def _parse_progress(
         name = progress_name(ref, owner)
         data = dict(observed.configmaps.get(name, {}).get("data") or {})
         theirs = schema_version_of(data.pop(SCHEMA_KEY, None))
+        data.pop(HISTORY_KEY, None)  # the learning curves, not a heartbeat
         unread = []
         for key, text in sorted(data.items()):
             report, problem = read_report(key, text, roles)
