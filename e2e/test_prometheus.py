@@ -43,6 +43,16 @@ CHART = REPO / "helm" / "rljob-operator"
 RELEASE, RELEASE_NS = "rljob", "rljob-system"  # as the chart_operator fixture installs it
 THRESHOLD_MS = 1  # far below a disaggregated job's lag (seconds): the alert must fire
 FOR = "10s"
+GPU_ONLY = frozenset(
+    {
+        "rljob_tokens_per_second_per_gpu",
+        "rljob_accelerator_utilization_percent",
+        "rljob_accelerator_utilization_stddev",
+        "rljob_accelerator_memory_used_bytes",
+    }
+)
+"""Measured on GPUs only: on this CPU node they must be absent (never 0), and
+``rljob_accelerator_metrics_available{reason="cpu_device"}`` says why."""
 
 
 def chart_monitoring() -> list[dict[str, Any]]:
@@ -175,8 +185,12 @@ def test_prometheus_scrapes_the_job_and_the_alerts_fire(
         assert "rljob_policy_lag_ms" in names and "rljob_jobs" in names
 
         def missing() -> list[str]:
-            gone = [n for n in sorted(names) if not server.query(f"count({n})")]
-            gone += [t for t, q in queries.items() if not server.query(q)]
+            gone = [n for n in sorted(names - GPU_ONLY) if not server.query(f"count({n})")]
+            gone += [
+                t
+                for t, q in queries.items()
+                if not metric_names([q]) <= GPU_ONLY and not server.query(q)
+            ]
             return gone
 
         left: list[str] = []
@@ -191,6 +205,22 @@ def test_prometheus_scrapes_the_job_and_the_alerts_fire(
             pytest.fail(f"no data for: {left}")
         lag = server.query(f'max by (pod) (rljob_policy_lag_ms{{namespace="{ns}"}})')
         assert lag and float(lag[0]["value"][1]) > THRESHOLD_MS
+        # GPU metrics: absent on this CPU node, never 0, and the reason is exported
+        for gpu_metric in sorted(GPU_ONLY):
+            assert not server.query(f'{gpu_metric}{{namespace="{ns}"}}'), gpu_metric
+        why = server.query(f'rljob_accelerator_metrics_available{{namespace="{ns}"}}')
+        assert {(w["metric"]["role"], w["metric"]["reason"], w["value"][1]) for w in why} == {
+            ("trainer", "cpu_device", "0"),
+            ("rollout", "cpu_device", "0"),
+        }
+        # the step-time breakdown: the trainer trains and syncs weights, the rollout generates
+        phases = server.query(
+            f'sum by (role, phase) (rljob_step_phase_seconds_total{{namespace="{ns}"}}) > 0'
+        )
+        seen = {(p["metric"]["role"], p["metric"]["phase"]) for p in phases}
+        assert {("trainer", "train"), ("trainer", "weight_sync"), ("rollout", "generate")} <= (
+            seen
+        ), seen
 
         # the job runs to Succeeded, and the operator's gauge says so
         wait_for(
@@ -199,6 +229,19 @@ def test_prometheus_scrapes_the_job_and_the_alerts_fire(
             "the job to finish",
         )
         assert _status(real_cluster, ns, name)["phase"] == "Succeeded"
+        # rljob plot: the learning curves the trainer's rank 0 kept in the progress ConfigMap
+        png = tmp_path_factory.mktemp("plot") / "curves.png"
+        plotted = subprocess.run(
+            [str(REPO / ".venv/bin/rljob"), "plot", name, "-n", ns, "-o", str(png)],
+            env=real_cluster.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert plotted.returncode == 0, plotted.stderr
+        steps = int(plotted.stdout.split(": ", 1)[1].split(" steps", 1)[0])
+        assert steps >= 100 and plotted.stdout.rstrip().endswith("..150"), plotted.stdout
+        assert png.read_bytes()[:4] == b"\x89PNG"
         wait_for(
             lambda: server.query(f'rljob_jobs{{namespace="{RELEASE_NS}",phase="Succeeded"}} >= 1'),
             60,

@@ -131,8 +131,12 @@ def test_rljob_run_cluster_invalid_manifest_applies_nothing(
 
 
 def _status_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return _cli(cluster, "status", *args)
+
+
+def _cli(cluster: LocalCluster, command: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", RLJOB, "status", *args],
+        [sys.executable, "-c", RLJOB, command, *args],
         env=cluster.env(),
         capture_output=True,
         text=True,
@@ -192,4 +196,36 @@ def test_rljob_status_prints_a_jobs_state_ranks_and_events(
     body = json.loads(as_json.stdout)
     assert body["status"]["step"] == 7 and body["events"][0]["reason"] == "GroupRestart"
     missing = _status_cli(cluster, "absent", "-n", namespace)
+    assert missing.returncode == 1 and f"no RLJob {namespace}/absent" in missing.stderr
+
+
+def test_rljob_plot_draws_a_jobs_learning_curves_from_its_history(
+    cluster: LocalCluster, crd: None, namespace: str, tmp_path: Path
+) -> None:
+    """``rljob plot NAME`` against the API server: the curves the training role's rank 0 keeps
+    in the job's progress ConfigMap (key ``history``, as ``tracking.History`` writes it) become
+    one PNG; before any are written it says so and exits 1. (The real-node e2e has real workers
+    write the history: e2e/test_prometheus.py.)"""
+    from rljob_workers.tracking import History
+
+    path = _manifest(tmp_path, "curves", steps=50)
+    cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+    early = _cli(cluster, "plot", "curves", "-n", namespace, "-o", str(tmp_path / "early.png"))
+    assert early.returncode == 1 and "no learning curves yet" in early.stderr, early.stderr
+    history = History()
+    for step in range(1, 41):
+        history.add(step, {"reward_mean": step / 40, "kl": 0.01 * step, "entropy": 3.0})
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "curves-progress", "namespace": namespace},
+        "data": {"history": history.to_json(), "schema-version": "8"},
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(configmap))
+    png = tmp_path / "curves.png"
+    done = _cli(cluster, "plot", "curves", "-n", namespace, "-o", str(png))
+    assert done.returncode == 0, done.stderr
+    assert f"{png}: 40 steps, 1..40" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    missing = _cli(cluster, "plot", "absent", "-n", namespace)
     assert missing.returncode == 1 and f"no RLJob {namespace}/absent" in missing.stderr

@@ -604,3 +604,63 @@ def test_build_pod_user_threads_replace_ours_from_spec_env_or_overrides() -> Non
     assert _threads_env(pod) == [mine]
     rollout = build_pod(job.spec, REF, "rollout", 0, topology="disaggregated", config_digest="a")
     assert _threads_env(rollout)[0]["valueFrom"]["resourceFieldRef"]["containerName"] == "rollout"
+
+
+def test_build_worker_config_tracking_names_the_run_after_the_job() -> None:
+    """spec.tracking (issue 29): TensorBoard by default; MLflow's experiment defaults to the
+    namespace; the run is the job's (name, uid) and tagged with the config hash the pods run."""
+    from rljob_operator.builders import restart_hash
+
+    plain = build_worker_config(load_example("grpo-colocated").spec, REF, "colocated")
+    assert plain.tracking.tensorboard and plain.tracking.mlflow_uri is None
+    assert plain.tracking.wandb_mode == "disabled"
+    assert (plain.tracking.run_name, plain.tracking.run_id) == ("demo", REF.uid)
+    assert plain.tracking.config_hash == restart_hash(plain)
+    tracked = build_worker_config(
+        load_example(
+            "grpo-colocated",
+            tracking={
+                "tensorboard": {"enabled": False},
+                "mlflow": {"trackingUri": "http://mlflow.mlops.svc:5000"},
+                "wandb": {"project": "rl", "entity": "lab", "mode": "offline"},
+            },
+        ).spec,
+        REF,
+        "colocated",
+    )
+    t = tracked.tracking
+    assert not t.tensorboard
+    assert (t.mlflow_uri, t.mlflow_experiment) == ("http://mlflow.mlops.svc:5000", "team-a")
+    assert (t.wandb_mode, t.wandb_project, t.wandb_entity) == ("offline", "rl", "lab")
+    assert t.tags("team-a", "demo") == {
+        "rljob.namespace": "team-a",
+        "rljob.name": "demo",
+        "rljob.uid": REF.uid,
+        "rljob.config-hash": restart_hash(tracked),
+    }
+    assert t.config_hash != plain.tracking.config_hash  # another config, another hash
+
+
+@pytest.mark.parametrize(
+    ("tracking", "field"),
+    [
+        ({"mlflow": {"trackingUri": "mlflow:5000"}}, "tracking.mlflow.trackingUri"),
+        ({"mlflow": {}}, "tracking.mlflow.trackingUri"),
+        ({"wandb": {"mode": "online"}}, "tracking.wandb.project"),
+        ({"wandb": {"project": "rl", "mode": "shared"}}, "tracking.wandb.mode"),
+    ],
+)
+def test_tracking_spec_errors_name_the_field(tracking: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        load_example("grpo-colocated", tracking=tracking)
+
+
+def test_reward_timeout_reaches_the_workers_and_must_be_positive() -> None:
+    job = load_example(
+        "grpo-colocated", task={"builtin": {"name": "copy"}, "reward": {"timeoutSeconds": 2.5}}
+    )
+    assert build_worker_config(job.spec, REF, "colocated").task.reward_timeout_s == 2.5
+    with pytest.raises(SpecError, match=r"task\.reward\.timeoutSeconds"):
+        load_example(
+            "grpo-colocated", task={"builtin": {"name": "copy"}, "reward": {"timeoutSeconds": 0}}
+        )

@@ -172,3 +172,25 @@ def test_reports_pass_the_schema_as_before() -> None:
     )
     assert plan.status is not None and plan.status["rewardMean"] == 0.5
     assert not warnings(plan, "WorkerReportRefused")
+
+
+@pytest.mark.parametrize("schema", [SCHEMA_VERSION, SCHEMA_VERSION + 1])
+def test_the_job_history_beside_the_heartbeats_is_not_a_report(schema: int) -> None:
+    """Issue 29: the training role's rank 0 keeps the job's learning curves under key
+    ``history`` of the progress ConfigMap (``rljob plot`` reads them). The operator does not
+    take them for a heartbeat it cannot parse: no WorkerSchemaMismatch, even from workers of
+    another schema, and the trainer's report still counts."""
+    from rljob_workers.config import HISTORY_KEY
+    from rljob_workers.tracking import History
+
+    history = History()
+    history.add(1, {"reward_mean": 0.5})
+    observed = with_entries(
+        converged(JOB),
+        LEAD_CM,
+        {"trainer-0": report(step=11), HISTORY_KEY: history.to_json(), SCHEMA_KEY: str(schema)},
+    )
+    plan = reconcile(observed, now=NOW + 1)
+    assert not warnings(plan, "WorkerSchemaMismatch")
+    assert not warnings(plan, "WorkerReportRefused")
+    assert status_of(plan, observed)["step"] == 11

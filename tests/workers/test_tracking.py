@@ -395,3 +395,22 @@ def test_a_colocated_run_logs_every_step_to_all_three_backends(tmp_path, monkeyp
             round(v, 5) for _, v in rewards
         ]
         assert all(math.isfinite(v) for v in history.series["kl"] if v is not None)
+
+        # the job is extended to 8 steps: it resumes from its step-5 checkpoint and every
+        # backend continues the same run
+        longer = config.model_copy(update={"total_steps": 8})
+        more = run_colocated(longer, ProcessEnv(role="actor"))
+        assert [r["step"] for r in more] == [6, 7, 8]
+        rewards += [(r["step"], round(float(r["reward_mean"]), 6)) for r in more]
+        (run,) = server.runs("team-a")  # still one run
+        assert run["info"]["status"] == "FINISHED"
+        mlflow = [(s, round(v, 6)) for s, v in server.history(run["info"]["run_id"], "reward_mean")]
+        assert mlflow == rewards
+        assert _tensorboard_scalars(tmp_path / "ckpt/tracking/tensorboard", "reward_mean") == (
+            rewards
+        )
+        wandb = wandb_offline_run(tmp_path / "ckpt/tracking")
+        assert wandb["ids"] == {"0b1c-uid"} and len(wandb["files"]) == 2
+        assert [(s, round(v, 6)) for s, v in sorted(wandb["history"]["reward_mean"])] == rewards
+        history = History.from_json((tmp_path / "out/history.json").read_text())
+        assert history.steps == list(range(1, 9))

@@ -31,10 +31,18 @@ from typing import IO, Any
 
 from rljob_workers.checkpoint import checkpoint_step, resume_point
 from rljob_workers.config import CheckpointConfig, Role, WorkerConfig
+from rljob_workers.heartbeat import FileHistory
 from rljob_workers.metrics import metrics_log_path
 from rljob_workers.ports import free_port
-from rljob_workers.report import render_summary_table, shown, summarize_records, write_plots
+from rljob_workers.report import (
+    plot_history,
+    render_summary_table,
+    shown,
+    summarize_records,
+    write_plots,
+)
 from rljob_workers.supervisor import die_with_parent
+from rljob_workers.tracking import History
 
 __all__ = [
     "ProcessSpec",
@@ -427,6 +435,9 @@ def _finish(
     ok = failure is None and all(code == 0 for code in exit_codes.values())
     title = f"{config.job_name}: {config.algorithm.name} {config.topology}"
     plots = write_plots(records, root, title=title) if any(records.values()) else []
+    history = History.from_json(FileHistory(root / "history.json").read())
+    if history.steps:  # the job's learning curves, as `rljob plot` draws a cluster job's
+        plots.append(plot_history(history.steps, history.series, root / "curves.png", title=title))
     extra: dict[str, Any] = {}
     if config.topology == "disaggregated" and any(records.values()):
         from rljob_workers.disaggregated import summarize_disaggregated, write_disaggregated_plots

@@ -491,10 +491,14 @@ class RoleReporter:
             {**record, "role": self.env.role, "rank": self.env.rank, "peak_rss_mb": peak_rss_mb}
         )
         self.exporter.observe_step(record, lag_threshold_ms=self.config.staleness.max_policy_lag_ms)
-        if self.tracker is not None:
-            self.tracker.log(record)
         if isinstance(record.get("step"), int):
             self._last_step = int(record["step"])
+        if self.tracker is not None:
+            self.tracker.log(record)
+            if self._last_step >= self.config.total_steps:
+                # the last step: close the runs now, before the final heartbeat, after which
+                # the operator ends the pods
+                self._close_tracking()
         for reason, total in (dropped or {}).items():
             self.exporter.count_dropped(reason, total - self._dropped_exported.get(reason, 0))
             self._dropped_exported[reason] = total
@@ -505,6 +509,11 @@ class RoleReporter:
                     reason, failed - self._failures_exported.get(reason, 0)
                 )
                 self._failures_exported[reason] = failed
+
+    def _close_tracking(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close(finished=self._last_step >= self.config.total_steps)
+            self.tracker = None
 
     def beat(self, progress: Progress) -> None:
         """Report progress to the operator; a failed report is logged, never fatal."""
@@ -517,8 +526,7 @@ class RoleReporter:
 
     def close(self) -> None:
         """Close the tracking runs and the JSONL file, and stop the endpoint."""
-        if self.tracker is not None:
-            self.tracker.close(finished=self._last_step >= self.config.total_steps)
+        self._close_tracking()
         self.accelerator.close()
         self.sink.close()
         self.exporter.close()

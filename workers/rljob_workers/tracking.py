@@ -29,6 +29,7 @@ counted (``errors``), and the step goes on. A full queue drops the oldest entry.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -159,7 +160,7 @@ class History:
             stride = max(1, int(data.get("stride", 1)))
         except (ValueError, TypeError, KeyError, AttributeError):
             return history
-        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(steps)):
             return history  # not a history this code wrote
         history.steps, history.series, history.stride = steps, series, stride
         return history
