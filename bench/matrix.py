@@ -229,11 +229,10 @@ def measure_run(
     records = [r for r in result.records[lead] if r.get("reward_mean") is not None]
     histogram: dict[str, int] = {}
     for record in records:
+        # both topologies' step records carry it (colocated: the batch at the lag of the
+        # update's last minibatch, its policy_lag_versions)
         for k, v in (record.get("staleness_histogram") or {}).items():
             histogram[k] = histogram.get(k, 0) + int(v)
-        if cell.topology == "colocated":
-            key = str(int(record.get("policy_lag_versions") or 0))
-            histogram[key] = histogram.get(key, 0) + int(record.get("samples", 0))
     reached = _smoothed_first(records, THRESHOLD[task])
     samples = sum(int(r.get("samples", 0)) for r in records)
     run_wall = float(result.summary.get("wall_time_s", wall))
