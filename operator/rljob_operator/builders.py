@@ -14,13 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rljob_operator.api import (
+    DATASET_MOUNT,
+    EVAL_DATASET_MOUNT,
     GROUP,
     KIND,
     MICRO_BATCH_TOKENS,
     VERSION,
+    Dataset,
     PodTemplateOverrides,
     RLJob,
     RLJobSpec,
+    Task,
     default_sharding,
     engines_per_replica,
     processes_per_replica,
@@ -44,10 +48,13 @@ from rljob_workers.config import (
     CheckpointConfig,
     CollapseConfig,
     Control,
+    DatasetConfig,
     Endpoints,
+    EvalConfig,
     GradientCompressionConfig,
     ModelConfig,
     OverlongConfig,
+    RewardTermConfig,
     RolloutConfig,
     SamplingConfig,
     StalenessConfig,
@@ -301,7 +308,6 @@ def build_worker_config(
 ) -> WorkerConfig:
     """Render the worker config for a job (the same for every process of the job)."""
     task = spec.task
-    builtin = task.builtin
     sampling = spec.rollout.sampling
     config = WorkerConfig(
         job_name=job.name,
@@ -313,14 +319,7 @@ def build_worker_config(
             tokenizer_path=spec.model.tokenizer_path,
             dtype=spec.model.dtype,
         ),
-        task=TaskConfig(
-            builtin=builtin.name if builtin else None,
-            num_prompts=builtin.num_prompts if builtin else 0,
-            task_seed=builtin.seed if builtin else 0,
-            dataset_path=task.dataset_path,
-            reward_function=task.reward.function if task.reward else None,
-            reward_timeout_s=task.reward.timeout_seconds if task.reward else 30.0,
-        ),
+        task=build_task_config(task),
         rollout=RolloutConfig(
             engine=spec.rollout.engine,
             tensor_parallel_size=1
@@ -399,6 +398,82 @@ def build_worker_config(
     return config.model_copy(update={"tracking": tracking})
 
 
+def build_task_config(task: Task) -> TaskConfig:
+    """spec.task for the workers: the prompts' source, their formatting and the reward."""
+    builtin = task.builtin
+    dataset = task.dataset
+    evaluation = task.eval
+    chats = dataset is not None and dataset.messages_field is not None
+    return TaskConfig(
+        builtin=builtin.name if builtin else None,
+        num_prompts=builtin.num_prompts if builtin else 0,
+        task_seed=builtin.seed if builtin else 0,
+        dataset_path=task.dataset_path,
+        dataset=None if dataset is None else _dataset_config(dataset, DATASET_MOUNT),
+        eval=None
+        if evaluation is None
+        else EvalConfig(
+            dataset=_dataset_config(evaluation.dataset, EVAL_DATASET_MOUNT),
+            every_steps=evaluation.every_steps,
+            samples=evaluation.samples,
+            greedy=evaluation.greedy,
+            pass_reward=evaluation.pass_reward,
+        ),
+        chat_template=task.chat_template or ("auto" if chats else "none"),
+        system_prompt=task.system_prompt,
+        reward_function=task.reward.function,
+        reward_terms=tuple(
+            RewardTermConfig(
+                type=t.type,
+                weight=t.weight,
+                pattern=t.pattern,
+                tag=t.tag,
+                function=t.function,
+                url=t.url,
+                timeout_s=t.timeout_seconds,
+                retries=t.retries,
+                concurrency=t.concurrency,
+                batch_size=t.batch_size,
+                memory_mib=t.memory_mib,
+                tests_field=t.tests_field,
+            )
+            for t in task.reward.terms
+        ),
+        reward_timeout_s=task.reward.timeout_seconds,
+        reward_failure_value=task.reward.failure_value,
+    )
+
+
+def _dataset_config(dataset: Dataset, config_map_mount: str) -> DatasetConfig:
+    """A dataset of the spec as the workers read it (a ConfigMap's file where it is mounted)."""
+    path = (
+        f"{config_map_mount}/{dataset.config_map.key}"
+        if dataset.config_map is not None
+        else str(dataset.path)
+    )
+    return DatasetConfig(
+        path=path,
+        format=dataset.format,
+        prompt_field=dataset.prompt_field,
+        answer_field=dataset.answer_field,
+        messages_field=dataset.messages_field,
+        limit=dataset.limit,
+        shuffle=dataset.shuffle,
+        seed=dataset.seed,
+    )
+
+
+def _dataset_sources(spec: RLJobSpec) -> list[tuple[str, Dataset, str]]:
+    """The task's datasets with a volume or ConfigMap to mount: (volume name, dataset, the
+    ConfigMap's mount)."""
+    out = []
+    if spec.task.dataset is not None:
+        out.append(("dataset", spec.task.dataset, DATASET_MOUNT))
+    if spec.task.eval is not None:
+        out.append(("eval-dataset", spec.task.eval.dataset, EVAL_DATASET_MOUNT))
+    return [(n, d, m) for n, d, m in out if d.volume is not None or d.config_map is not None]
+
+
 def build_tracking_config(spec: RLJobSpec, job: JobRef) -> TrackingConfig:
     """spec.tracking for the workers: the backends, and the run's name (the job's) and
     identity (its uid, so a resumed job continues its run)."""
@@ -452,6 +527,13 @@ HASH_NEUTRAL: dict[str, object] = {
     "rollout.engines_per_replica": 1,
     # the engine's memory share: running pods keep theirs until their next restart
     "task.reward_timeout_s": 30.0,
+    # schema 8: datasets, chat templates, reward terms; as a job before them rendered
+    "task.dataset": None,
+    "task.chat_template": "none",
+    "task.system_prompt": None,
+    "task.reward_terms": [],
+    "task.reward_failure_value": None,
+    "task.eval": None,
     # tracking: TensorBoard on, the rest off, as a job stored before tracking existed ran
     **{
         f"tracking.{k}": v
@@ -893,7 +975,7 @@ def _container(
     own = {e.name for e in spec.worker.env}
     env += [{"name": k, "value": v} for k, v in worker_env if k not in own]
     env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.worker.env]
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "home", "mountPath": HOME_MOUNT},
@@ -904,6 +986,11 @@ def _container(
     where = model_mount(spec)
     if where:
         mounts.append({"name": "model", "mountPath": where, "readOnly": True})
+    if role != "trainer":  # the roles that generate read the prompts
+        for name, dataset, config_map_mount in _dataset_sources(spec):
+            path = dataset.volume.mount_path if dataset.volume is not None else config_map_mount
+            if not any(m["mountPath"] == path for m in mounts):  # eval and train: one claim
+                mounts.append({"name": name, "mountPath": path, "readOnly": True})
     container: dict[str, Any] = {
         "name": role,
         "image": spec.worker.image or DEFAULT_IMAGE,
@@ -954,6 +1041,31 @@ def _volumes(spec: RLJobSpec, job: JobRef, role: Role) -> list[dict[str, Any]]:
                 },
             }
         )
+    if role != "trainer":
+        mounted: set[str] = set()
+        for name, dataset, config_map_mount in _dataset_sources(spec):
+            path = dataset.volume.mount_path if dataset.volume is not None else config_map_mount
+            if path in mounted:
+                continue
+            mounted.add(path)
+            data_source: dict[str, Any]
+            if dataset.volume is not None:
+                data_source = {
+                    "persistentVolumeClaim": {
+                        "claimName": dataset.volume.claim_name,
+                        "readOnly": True,
+                    }
+                }
+            else:
+                assert dataset.config_map is not None
+                key = dataset.config_map.key
+                data_source = {
+                    "configMap": {
+                        "name": dataset.config_map.name,
+                        "items": [{"key": key, "path": key}],
+                    }
+                }
+            volumes.append({"name": name, **data_source})
     return volumes
 
 

@@ -578,7 +578,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument(
         "--build-tiny-model",
         action="store_true",
-        help="build the tiny demo model (a small Qwen2 with a character tokenizer) where the model "
+        help="build the tiny demo model (a small Qwen2 with a character tokenizer; with "
+        "chatTemplate auto its chat variant) where the model path points, if nothing is there yet",
+    )
+    run.add_argument(
+        "--dataset", default=None, help="local dataset file (overrides spec.task.dataset.path)"
+    )
+    run.add_argument(
+        "--build-dataset",
+        action="store_true",
+        help="generate the example's arithmetic word problems (GSM8K format) where the dataset "
         "path points, if nothing is there yet",
     )
     status = sub.add_parser(
@@ -642,6 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--actors", args.actors),
             ("--model", args.model),
             ("--build-tiny-model", args.build_tiny_model),
+            ("--dataset", args.dataset),
+            ("--build-dataset", args.build_dataset),
         ):
             if value:
                 parser.error(f"{flag} needs --local (on a cluster, set it in the manifest)")
@@ -662,6 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model=args.model,
         build_tiny_model=args.build_tiny_model,
         actors=args.actors,
+        dataset=args.dataset,
+        build_dataset=args.build_dataset,
     )
 
 

@@ -64,11 +64,15 @@ def run_manifest_locally(
     build_tiny_model: bool = False,
     actors: int | None = None,
     cpus: int | None = None,
+    dataset: str | None = None,
+    build_dataset: bool = False,
 ) -> int:
     """Validate the manifest, render the worker config, run it locally; returns an exit code.
 
     ``actors`` overrides the number of colocated actor processes (see ``local_processes``);
-    ``cpus`` defaults to this machine's.
+    ``cpus`` defaults to this machine's. ``dataset`` overrides ``spec.task.dataset.path`` (a
+    local file; ``build_dataset`` generates the example's word problems there when it is
+    missing).
     """
     if actors is not None and actors < 1:
         return _fail(f"--actors: need at least 1 actor process, got {actors}")
@@ -76,11 +80,38 @@ def run_manifest_locally(
         raw = yaml.safe_load(Path(manifest).read_text())
     except (OSError, yaml.YAMLError) as exc:
         return _fail(f"cannot read {manifest}: {exc}")
+    task_raw = (raw.get("spec") or {}).get("task") or {}
+    if dataset is not None:
+        if not isinstance(task_raw.get("dataset"), dict):
+            return _fail("--dataset: the manifest has no spec.task.dataset to point elsewhere")
+        local = {k: v for k, v in task_raw["dataset"].items() if k not in ("configMap", "volume")}
+        task_raw["dataset"] = {**local, "path": str(Path(dataset).resolve())}
+        held_out = (task_raw.get("eval") or {}).get("dataset")
+        if isinstance(held_out, dict):  # the held-out rows beside it: <name>-eval<suffix>
+            beside = Path(dataset).resolve()
+            eval_path = beside.with_name(f"{beside.stem}-eval{beside.suffix}")
+            local = {k: v for k, v in held_out.items() if k not in ("configMap", "volume")}
+            task_raw["eval"]["dataset"] = {**local, "path": str(eval_path)}
     try:
         job = parse_any_version(raw)
     except SpecError as err:
         return _fail(str(err))
     spec = job.spec
+    held_out = spec.task.eval.dataset if spec.task.eval is not None else None
+    for field, data, seed in (
+        ("spec.task.dataset", spec.task.dataset, 0),
+        ("spec.task.eval.dataset", held_out, 1),  # other problems than the training ones
+    ):
+        if data is None:
+            continue
+        if data.config_map is not None:
+            return _fail(f"{field}.configMap: a local run reads files; give --dataset PATH")
+        data_path = Path(str(data.path))
+        if not data_path.exists() and build_dataset:
+            from rljob_workers.wordproblems import generate_problems, write_problems
+
+            print(f"rljob: generating word problems in {data_path}", file=sys.stderr)
+            write_problems(data_path, generate_problems(2000, seed=seed))
     name = str(raw.get("metadata", {}).get("name", "rljob"))
     out = Path(workdir or Path("runs") / name).resolve()
     model_path = Path(model or spec.model.path)
@@ -93,8 +124,12 @@ def run_manifest_locally(
             )
         from rljob_workers.tinymodel import build_tiny_model as build
 
-        print(f"rljob: building the tiny demo model in {model_path}", file=sys.stderr)
-        build(model_path)
+        chat = spec.task.chat_template == "auto" or bool(
+            spec.task.dataset and spec.task.dataset.messages_field
+        )
+        kind = "the tiny chat model (ChatML template)" if chat else "the tiny demo model"
+        print(f"rljob: building {kind} in {model_path}", file=sys.stderr)
+        build(model_path, chat=chat)
     topology, reason = resolve_topology(spec)
     print(
         f"rljob: {name}: {spec.algorithm.name} on a {topology} topology ({reason})", file=sys.stderr

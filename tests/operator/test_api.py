@@ -247,12 +247,14 @@ INVALID = [
     (
         "task-both-sources",
         {"task": {"datasetPath": "/data/train.jsonl"}},
-        "spec.task: set exactly one of spec.task.builtin and spec.task.datasetPath",
+        "spec.task: set exactly one of spec.task.builtin, spec.task.dataset and "
+        "spec.task.datasetPath",
     ),
     (
         "task-no-source",
         {"task": {"builtin": None}},
-        "spec.task: set exactly one of spec.task.builtin and spec.task.datasetPath",
+        "spec.task: set exactly one of spec.task.builtin, spec.task.dataset and "
+        "spec.task.datasetPath",
     ),
     (
         "min-replicas-above-replicas",
@@ -625,8 +627,10 @@ def test_example_parses_and_resolves_to_topology_in_its_name(path: Path) -> None
     assert "namespace" not in (job.metadata.model_extra or {}) and job.metadata.namespace is None
     assert job.metadata.name == path.stem
     topology, _ = resolve_topology(job.spec)
-    assert path.stem.endswith(topology)
-    assert job.spec.algorithm.name == path.stem.split("-")[0]
+    parts = path.stem.split("-")
+    assert job.spec.algorithm.name in parts  # <algorithm>-<topology>, or <task>-<algorithm>
+    if parts[-1] in ("colocated", "disaggregated"):
+        assert parts[-1] == topology
 
 
 def test_example_dapo_uses_two_rollouts_and_two_trainers() -> None:

@@ -664,3 +664,116 @@ def test_reward_timeout_reaches_the_workers_and_must_be_positive() -> None:
         load_example(
             "grpo-colocated", task={"builtin": {"name": "copy"}, "reward": {"timeoutSeconds": 0}}
         )
+
+
+def _task(**task: Any) -> Any:
+    return load_example("grpo-colocated", task=task)
+
+
+def test_build_worker_config_dataset_chat_template_and_reward_terms() -> None:
+    """Issue 28: spec.task.dataset, chatTemplate, systemPrompt and reward terms reach the
+    workers; a ConfigMap dataset is read where the pods mount it."""
+    job = _task(
+        dataset={
+            "path": "/data/gsm8k/train.parquet",
+            "volume": {"claimName": "data"},
+            "promptField": "question",
+            "limit": 1000,
+            "shuffle": True,
+        },
+        systemPrompt="Think, then answer in <answer></answer>.",
+        reward={
+            "terms": [{"type": "math"}, {"type": "format", "weight": 0.2}],
+            "failureValue": 0.0,
+        },
+    )
+    task = build_worker_config(job.spec, REF, "colocated").task
+    assert task.dataset is not None and task.dataset.path == "/data/gsm8k/train.parquet"
+    assert (task.dataset.prompt_field, task.dataset.limit, task.dataset.shuffle) == (
+        "question",
+        1000,
+        True,
+    )
+    assert task.chat_template == "none"  # unset and no chat column
+    assert [(t.type, t.weight) for t in task.reward_terms] == [("math", 1.0), ("format", 0.2)]
+    assert task.reward_failure_value == 0.0
+    chats = _task(
+        dataset={"configMap": {"name": "small", "key": "chats.jsonl"}, "messagesField": "m"}
+    )
+    task = build_worker_config(chats.spec, REF, "colocated").task
+    assert task.dataset is not None and task.dataset.path == "/etc/rljob/dataset/chats.jsonl"
+    assert task.chat_template == "auto"  # a chat column needs the template
+
+
+def _mounts(pod: dict[str, Any]) -> dict[str, str]:
+    return {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+
+
+def test_build_pods_mount_the_dataset_where_the_prompts_are_read() -> None:
+    job = load_example(
+        "dapo-disaggregated",
+        task={"dataset": {"path": "/data/t.jsonl", "volume": {"claimName": "data"}}},
+    )
+    topology, _ = resolve_topology(job.spec)
+    objects = build_children(job, REF, topology, token="TOKEN", restart_epochs={})
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    rollout = next(p for p in pods if "-rollout-" in p["metadata"]["name"])
+    trainer = next(p for p in pods if "-trainer-" in p["metadata"]["name"])
+    assert _mounts(rollout)["dataset"] == "/data"
+    volume = next(v for v in rollout["spec"]["volumes"] if v["name"] == "dataset")
+    assert volume["persistentVolumeClaim"] == {"claimName": "data", "readOnly": True}
+    assert "dataset" not in _mounts(trainer)  # the trainer never reads prompts
+    small = load_example(
+        "grpo-colocated", task={"dataset": {"configMap": {"name": "small", "key": "t.jsonl"}}}
+    )
+    actor = next(
+        o
+        for o in build_children(small, REF, "colocated", token="T", restart_epochs={})
+        if o["kind"] == "Pod"
+    )
+    assert _mounts(actor)["dataset"] == "/etc/rljob/dataset"
+    volume = next(v for v in actor["spec"]["volumes"] if v["name"] == "dataset")
+    assert volume["configMap"] == {
+        "name": "small",
+        "items": [{"key": "t.jsonl", "path": "t.jsonl"}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("task", "field"),
+    [
+        ({"builtin": {"name": "copy"}, "datasetPath": "/d.jsonl"}, "spec.task"),
+        (
+            {"dataset": {"path": "/d.jsonl", "configMap": {"name": "c", "key": "k"}}},
+            "spec.task.dataset",
+        ),
+        ({"dataset": {}}, "spec.task.dataset"),
+        ({"dataset": {"path": "d.jsonl"}}, "spec.task.dataset.path"),
+        ({"dataset": {"path": "/d", "format": "csv"}}, "spec.task.dataset.format"),
+        (
+            {"dataset": {"path": "/d", "messagesField": "m"}, "chatTemplate": "none"},
+            "spec.task.chatTemplate",
+        ),
+        ({"builtin": {"name": "copy"}, "reward": {"terms": [{"type": "regex"}]}}, "pattern"),
+        ({"builtin": {"name": "copy"}, "reward": {"terms": [{"type": "http"}]}}, "url"),
+        (
+            {
+                "builtin": {"name": "copy"},
+                "reward": {"terms": [{"type": "http", "url": "ftp://x"}]},
+            },
+            "url",
+        ),
+        ({"builtin": {"name": "copy"}, "reward": {"terms": [{"type": "function"}]}}, "function"),
+        ({"builtin": {"name": "copy"}, "reward": {"terms": [{"type": "llm"}]}}, "type"),
+        (
+            {
+                "builtin": {"name": "copy"},
+                "reward": {"function": "m:f", "terms": [{"type": "math"}]},
+            },
+            "spec.task.reward",
+        ),
+    ],
+)
+def test_task_spec_errors_name_the_field(task: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        _task(**task)

@@ -516,6 +516,8 @@ def _eval(node: Any, obj: Any, env: dict[str, Any] | None = None) -> Any:
             return str(args[0])
         if node[1] == "quantity":
             return ("quantity", _quantity(args[0]))
+        if node[1] == "size":
+            return len(args[0])
         raise CelError(f"unsupported function {node[1]}")
     if op == "call":
         target = _eval(node[1], obj, env)
@@ -800,6 +802,28 @@ COUNTEREXAMPLES = {
         "rollout": {"sampling": {"maxTokens": 8}},
     },
     "task-source": {"task": {"builtin": {"name": "copy"}, "datasetPath": "/d.jsonl"}},
+    "dataset-source": {
+        "task": {"builtin": None, "dataset": {"path": "/d", "configMap": {"name": "c", "key": "k"}}}
+    },
+    "dataset-config-map-volume": {
+        "task": {
+            "builtin": None,
+            "dataset": {"configMap": {"name": "c", "key": "k"}, "volume": {"claimName": "v"}},
+        }
+    },
+    "chat-template-for-chats": {
+        "task": {
+            "builtin": None,
+            "dataset": {"path": "/d", "messagesField": "m"},
+            "chatTemplate": "none",
+        }
+    },
+    "reward-function-or-terms": {
+        "task": {"reward": {"function": "m:f", "terms": [{"type": "math"}]}}
+    },
+    "regex-term-pattern": {"task": {"reward": {"terms": [{"type": "regex"}]}}},
+    "http-term-url": {"task": {"reward": {"terms": [{"type": "http"}]}}},
+    "function-term-function": {"task": {"reward": {"terms": [{"type": "function"}]}}},
     "rollout-gpu": {"rollout": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
     "trainer-gpu": {"trainer": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
     "powersgd-rank": {"trainer": {"sharding": "ddp", "gradientCompression": {"type": "powerSGD"}}},
@@ -869,7 +893,11 @@ def test_every_rule_has_a_counterexample() -> None:
     for patch in COUNTEREXAMPLES.values():
         spec = copy.deepcopy(MINIMAL) | {"algorithm": {"name": "grpo"}}
         for key, value in patch.items():
-            spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+            if isinstance(value, dict):  # merged; a None removes the minimal spec's field
+                merged = {**spec.get(key, {}), **value}
+                spec[key] = {k: v for k, v in merged.items() if v is not None}
+            else:
+                spec[key] = value
         failures = cel_failures(SPEC, _defaulted_spec(spec))
         assert len(failures) == 1, (patch, failures)
         rejected.add(failures[0][0])

@@ -140,3 +140,44 @@ def test_failover_pods_on_out_of_service_node_force_deleted_even_when_terminatin
     plan = reconcile(observed, now=NOW + 1)
     assert [(d.name, d.grace_seconds) for d in plan.delete] == [("dapo-disaggregated-rollout-0", 0)]
     assert "ForceDeleted" in [e.reason for e in plan.events]
+
+
+def test_failover_a_refused_dataset_fails_the_job_at_once_quoting_the_worker() -> None:
+    """Issue 28: a worker that refuses its configuration or dataset exits 2 with the reason as
+    its termination message. A restart would read the same file: the job fails at once (no
+    restart loop), and the Event and condition quote the worker's reason."""
+    observed = converged("dapo-disaggregated")
+    said = (
+        "spec.task.dataset: /data/train.jsonl, line 7: not valid JSON (Expecting ',' "
+        "delimiter at column 12); each line must be one JSON object"
+    )
+    status = exited(2)
+    status["containerStatuses"][0]["state"]["terminated"]["message"] = said
+    plan = reconcile(with_pods(observed, {"dapo-disaggregated-rollout-1": status}), now=NOW + 1)
+    assert plan.status is not None and plan.status["phase"] == "Failed"
+    assert plan.status["restarts"] == {"rollout": 0, "trainer": 0}
+    message = plan.status["message"]
+    assert (
+        "rollout-1: Failed (exit code 2): spec.task.dataset: /data/train.jsonl, line 7" in message
+    )
+    assert "the default for exit code 2 (invalid configuration) says FailJob" in message
+    condition = {c["type"]: c for c in plan.status["conditions"]}["Failed"]
+    assert condition["reason"] == "FailurePolicy" and "line 7" in condition["message"]
+    assert any("line 7" in e.message for e in plan.events if e.type == "Warning")
+    # a rule may still choose otherwise (e.g. a dataset volume still being filled)
+    retry = converged(
+        "dapo-disaggregated",
+        failurePolicy={"rules": [{"action": "RestartRole", "onExitCodes": [2]}]},
+    )
+    plan = reconcile(with_pods(retry, {"dapo-disaggregated-rollout-1": status}), now=NOW + 1)
+    assert plan.status is not None and plan.status["phase"] != "Failed"
+    assert plan.status["restarts"]["rollout"] == 1
+
+
+def test_failover_a_crash_message_reaches_the_restart_event() -> None:
+    observed = converged("dapo-disaggregated")
+    status = exited(1)
+    status["containerStatuses"][0]["state"]["terminated"]["message"] = "RuntimeError: boom"
+    plan = reconcile(with_pods(observed, {"dapo-disaggregated-rollout-0": status}), now=NOW + 1)
+    replaced = [e.message for e in plan.events if e.reason == "RolloutReplaced"]
+    assert replaced and "Failed (exit code 1): RuntimeError: boom" in replaced[0]

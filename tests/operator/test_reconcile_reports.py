@@ -194,3 +194,28 @@ def test_the_job_history_beside_the_heartbeats_is_not_a_report(schema: int) -> N
     assert not warnings(plan, "WorkerSchemaMismatch")
     assert not warnings(plan, "WorkerReportRefused")
     assert status_of(plan, observed)["step"] == 11
+
+
+def test_the_newest_evaluation_becomes_status_eval() -> None:
+    """Issue 28 item 4: the first actor's (or rollout's) newest held-out evaluation."""
+    observed = with_entries(
+        converged(JOB),
+        LEAD_CM,
+        {
+            "trainer-0": report(step=30),
+        },
+    )
+    rollout = {
+        "role": "rollout",
+        "replica": 0,
+        "time": NOW,
+        "eval": {"step": 25, "accuracy": 0.40625, "reward_mean": 0.4875, "samples": 64},
+    }
+    observed = with_entries(observed, ROLLOUT_CM, {"rollout-0": json.dumps(rollout)})
+    plan = reconcile(observed, now=NOW + 1)
+    assert status_of(plan, observed)["eval"] == {
+        "step": 25,
+        "accuracy": 0.4062,
+        "rewardMean": 0.4875,
+        "samples": 64,
+    }

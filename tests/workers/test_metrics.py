@@ -41,6 +41,8 @@ STEP = {
     "logprob_mismatch_mean": 0.00057,
     "logprob_mismatch_max": 0.0062,
     "logprob_mismatch_kl": 4.1e-07,
+    "eval_accuracy": 0.375,
+    "eval_reward_mean": 0.5,
     "tokens_per_s": 812.0,
     "tokens_per_s_per_gpu": 406.0,
     "step_time_s": 0.4,

@@ -47,10 +47,18 @@ from rljob_workers.checkpoint import (
     save_checkpoint,
 )
 from rljob_workers.collective import broadcast_json
-from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
+from rljob_workers.config import Control, EvalReport, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.ddp import global_sum, trainer_process_group
 from rljob_workers.engine import RolloutEngine, build_engine
+from rljob_workers.evaluation import (
+    eval_due,
+    eval_record,
+    eval_report,
+    eval_rows,
+    evaluate,
+    reduce_sums,
+)
 from rljob_workers.export import export_trained_policy
 from rljob_workers.health import RunHealth, health_fields
 from rljob_workers.learner import Experience, Learner, build_learner
@@ -64,6 +72,7 @@ from rljob_workers.tasks import (
     PromptSampler,
     RewardScorer,
     TaskData,
+    load_eval_data,
     load_task_data,
     mix_seed,
     score_groups,
@@ -158,14 +167,21 @@ class ColocatedRuntime:
         learner: Learner,
         task: TaskData,
         control: ControlWatcher | None = None,
+        eval_data: TaskData | None = None,
     ) -> None:
         self.config = config
         self.env = env
         self.engine = engine
         self.learner = learner
         self.policy = learner.policy
-        self.scorer = RewardScorer(task.reward, timeout_s=config.task.reward_timeout_s)
+        self.scorer = RewardScorer(
+            task.reward,
+            timeout_s=config.task.reward_timeout_s,
+            failure_value=config.task.reward_failure_value,
+        )
         self.task = task
+        self.eval_data = eval_data
+        """The held-out rows of ``task.eval`` (None: no evaluation)."""
         self.phases = PhaseClock()
         """Where each step's time goes (shared with the reporter, which exports it)."""
         self.control = control
@@ -202,8 +218,17 @@ class ColocatedRuntime:
         records: list[dict[str, Any]] = []
         every = self.config.checkpoint.every_steps
         saved_at = self.step  # 0, or the checkpoint it resumed from
+        # a resumed job evaluates the policy it restored first (task.eval)
+        pending_eval = self.evaluate() if self.step > 0 and self.eval_data is not None else {}
         while self.step < self.config.total_steps and not self._stopping():
             record = self.train_step()
+            record.update(pending_eval)
+            pending_eval = {}
+            evaluation = self.config.task.eval
+            if evaluation is not None and eval_due(
+                self.step, evaluation.every_steps, self.config.total_steps
+            ):
+                record.update(self.evaluate())
             self.health.observe(record)
             if every > 0 and (self.step % every == 0 or self.step == self.config.total_steps):
                 saved = self.save_checkpoint()
@@ -220,6 +245,36 @@ class ColocatedRuntime:
         if self.step < self.config.total_steps and saved_at != self.step:
             self.on_stop(self.save_checkpoint())  # stopped early: keep the last finished step
         return records
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out evaluation of the policy the engines serve now (``task.eval``), over
+        every actor's share of the rows; its record keys (``evaluation.eval_record``)."""
+        evaluation = self.config.task.eval
+        if evaluation is None or self.eval_data is None:
+            return {}
+        with self.phases.timing("generate"):
+            rows = eval_rows(
+                evaluation.samples, len(self.eval_data.prompts), self.env.rank, self.env.world_size
+            )
+            local = evaluate(
+                self.engine,
+                self.eval_data,
+                self.scorer,
+                evaluation,
+                self.config.rollout.sampling,
+                rows=rows,
+                seed=mix_seed(self.config.seed, self.step, 97),
+            )
+            total = reduce_sums(local, lambda v: global_sum(v, distributed=self.distributed))
+        result = eval_record(self.step, total)
+        log.info(
+            "eval at step %d: accuracy %.3f, reward %.3f over %d prompts",
+            self.step,
+            result.get("eval_accuracy", float("nan")),
+            result.get("eval_reward_mean", float("nan")),
+            total.samples,
+        )
+        return result
 
     def _stopping(self) -> bool:
         """Whether any actor was asked to stop (all agree, so all leave after the same step)."""
@@ -297,6 +352,7 @@ class ColocatedRuntime:
             # the batch's samples, counted at the lag of the update's last minibatch (the
             # optimizer steps it made, less one): what `policy_lag_versions` says
             "staleness_histogram": {str(max(0, steps - 1)): len(rollout)} if not skipped else {},
+            **self.scorer.take_terms(),  # each reward term's mean: format before accuracy
             "reward_timeouts": self.scorer.failures["timeout"],
             "reward_errors": self.scorer.failures["error"],
             "dropped_samples": collected.no_signal + collected.nonfinite,
@@ -404,13 +460,16 @@ class ColocatedRuntime:
             )
         scored_at = time.perf_counter()
         self.phases.add("generate", scored_at - generation_started)
+        each = [i for i in indices for _ in range(sampling.n)]
         scored = score_groups(
             self.scorer,
             [c.text for c in completions],
-            [self.task.answers[i] for i in indices for _ in range(sampling.n)],
+            [self.task.answers[i] for i in each],
             [len(c.token_ids) for c in completions],
             n=sampling.n,
             overlong=self.config.algorithm.overlong,
+            extras=self.task.extras_of(each),
+            prompts=self.task.texts_of(each),
         )
         self.phases.add("reward", time.perf_counter() - scored_at)
         rollout = _Rollout(
@@ -538,10 +597,23 @@ def build_colocated_runtime(
         local_rank=env.local_rank if env.local_world_size > 1 else None,
     )
     clock.mark("engine_start")
-    task = load_task_data(config.task)
+    task = load_task_data(
+        config.task, tokenizer_path=config.model.tokenizer_path or config.model.path
+    )
+    eval_data = load_eval_data(
+        config.task, tokenizer_path=config.model.tokenizer_path or config.model.path
+    )
     control = ControlWatcher.beside(env.config_path)
     clock.mark("task_load")
-    return ColocatedRuntime(config, env, engine=engine, learner=learner, task=task, control=control)
+    return ColocatedRuntime(
+        config,
+        env,
+        engine=engine,
+        learner=learner,
+        task=task,
+        control=control,
+        eval_data=eval_data,
+    )
 
 
 class _StepReporter(RoleReporter):
@@ -551,6 +623,7 @@ class _StepReporter(RoleReporter):
         super().__init__(config, env, heartbeat=True)
         self.dropped = {"no_signal": 0, "nonfinite_reward": 0}
         self.last_checkpoint: str | None = None
+        self.last_eval: EvalReport | None = None
         self.last_record: dict[str, Any] = {}
         self._last_idle_beat = 0.0
 
@@ -562,6 +635,7 @@ class _StepReporter(RoleReporter):
         record.update(self.utilization())
         self.record(record, dropped=dict(self.dropped))
         self.last_checkpoint = record.get("checkpoint") or self.last_checkpoint
+        self.last_eval = eval_report(record) or self.last_eval
         self.last_record = record
         self.report_step(record, done=record["step"] >= self.config.total_steps)
         log.info(format_step(record, self.config.total_steps))
@@ -599,6 +673,7 @@ class _StepReporter(RoleReporter):
                 accelerator_util=finite_or_none(record.get("accelerator_util")),
                 accelerator_util_std=finite_or_none(record.get("accelerator_util_std")),
                 **health_fields(record),
+                eval=self.last_eval,
                 done=done,
             )
         )
@@ -663,6 +738,7 @@ def _run_actor(
             return runtime.run(on_step=report)
     finally:
         reporter.close()
+        runtime.scorer.close()
         runtime.engine.close()
 
 

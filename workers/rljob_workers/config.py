@@ -108,15 +108,79 @@ class ModelConfig(_Model):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
+class DatasetConfig(_Model):
+    """spec.task.dataset: a file of rows inside the pods (see ``datasets.py``)."""
+
+    path: str
+    format: Literal["auto", "jsonl", "json", "parquet"] = "auto"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    messages_field: str | None = Field(
+        None, description="a chat column (list of {role, content}) used instead of prompt_field"
+    )
+    limit: int | None = Field(None, ge=1, description="keep the first N rows (after shuffle)")
+    shuffle: bool = False
+    seed: int = 0
+
+
+class EvalConfig(_Model):
+    """spec.task.eval: held-out accuracy on the rollout engines (see ``evaluation.py``)."""
+
+    dataset: DatasetConfig
+    every_steps: int = Field(20, ge=1)
+    samples: int = Field(64, ge=1, description="rows evaluated (the first N)")
+    greedy: bool = Field(True, description="temperature 0; else the job's sampling")
+    pass_reward: float = Field(1.0, description="a response passes at or above this reward")
+
+
+RewardTermType = Literal["math", "exact", "regex", "format", "code", "http", "function"]
+
+
+class RewardTermConfig(_Model):
+    """One weighted term of the reward (see ``rewards.py``); the fields a type does not use
+    stay at their defaults."""
+
+    type: RewardTermType
+    weight: float = 1.0
+    pattern: str | None = Field(None, description="regex: extracts the answer; format: matches")
+    tag: str | None = Field(None, description="format: the answer inside <tag>...</tag>")
+    function: str | None = Field(None, description="function: 'module:function'")
+    url: str | None = Field(None, description="http: the verifier's URL")
+    timeout_s: float = Field(10.0, gt=0, description="http: one request; code: one run")
+    retries: int = Field(2, ge=0, description="http: attempts after the first")
+    concurrency: int = Field(4, ge=1, description="http: requests in flight")
+    batch_size: int = Field(32, ge=1, description="http: samples per request")
+    memory_mib: int = Field(512, ge=16, description="code: address-space limit of a run")
+    tests_field: str = Field("tests", description="code: the row's column of unit tests")
+
+
 class TaskConfig(_Model):
     builtin: str | None = "successor"
     num_prompts: int = 64
     task_seed: int = 0
-    dataset_path: str | None = None
-    reward_function: str | None = None
-    reward_timeout_s: float = Field(
-        30.0, gt=0, description="wall-clock limit of one reward call (past it: NaN, counted)"
+    dataset_path: str | None = Field(
+        None, description="a JSONL file of {prompt, answer} (what schema 8 renders as dataset)"
     )
+    dataset: DatasetConfig | None = None
+    chat_template: Literal["none", "auto"] = Field(
+        "none",
+        description="auto: prompts go through the tokenizer's chat template with the "
+        "generation prompt added (token ids, never re-tokenised text); none: plain text",
+    )
+    system_prompt: str | None = None
+    reward_function: str | None = None
+    reward_terms: tuple[RewardTermConfig, ...] = Field(
+        (), description="weighted terms summed into the reward (empty: reward_function, else exact)"
+    )
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="wall-clock limit of one reward call (past it: failed, counted)"
+    )
+    reward_failure_value: float | None = Field(
+        None,
+        description="the score of a failed or timed-out reward call; None: NaN, and its group "
+        "is left out of the step",
+    )
+    eval: EvalConfig | None = None
 
 
 class SamplingConfig(_Model):
@@ -400,6 +464,7 @@ PROGRESS_FIELDS_SINCE: dict[str, int] = {
     "best_checkpoint": 4,
     "best_reward": 4,
     "logprob_mismatch": 5,
+    "eval": 8,
 }
 """Progress fields added after schema 1, with the schema version that added them: a report to
 an operator of an older schema leaves them out (that operator's model refuses unknown fields
@@ -416,6 +481,15 @@ class MismatchReport(_Model):
     max: float = Field(ge=0, description="largest |rollout - trainer| log-prob (nats)")
     kl: float = Field(description="k3 estimate of KL(rollout || trainer) per token (nats)")
     tokens: int = Field(ge=0, description="tokens it was measured on")
+
+
+class EvalReport(_Model):
+    """The newest held-out evaluation (``task.eval``) of a policy version."""
+
+    step: int = Field(ge=0, description="the training step (policy version on a rollout)")
+    accuracy: float = Field(ge=0, le=1, description="pass@1: responses at or above passReward")
+    reward_mean: float = Field(description="mean reward of the evaluated responses")
+    samples: int = Field(ge=0, description="prompts evaluated")
 
 
 class CollapseReport(_Model):
@@ -476,6 +550,9 @@ class Progress(_Model):
     best_reward: float | None = Field(None, description="the smoothed reward it was saved at")
     logprob_mismatch: MismatchReport | None = Field(
         None, description="the newest train/inference mismatch measured (None: not yet)"
+    )
+    eval: EvalReport | None = Field(
+        None, description="the newest held-out evaluation (None: none yet, or no task.eval)"
     )
     done: bool = Field(False, description="totalSteps reached; the job may finish")
 

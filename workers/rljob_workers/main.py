@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import stat
 import sys
@@ -31,10 +32,12 @@ from pydantic import ValidationError
 from rljob_workers.config import (
     SCHEMA_VERSION,
     ProcessEnv,
+    RewardTermConfig,
     WorkerConfig,
     schema_mismatch,
     tensor_parallel_problem,
 )
+from rljob_workers.datasets import DatasetError
 from rljob_workers.supervisor import is_supervisor, run_supervisor
 
 __all__ = ["ConfigError", "main", "run_worker", "validate_worker_config"]
@@ -131,12 +134,14 @@ def _check_model(config: WorkerConfig) -> list[str]:
 def _check_task(config: WorkerConfig) -> list[str]:
     task = config.task
     problems = []
-    if task.builtin is None and task.dataset_path is None:
-        problems.append("spec.task: set builtin (a toy task) or datasetPath")
+    if task.builtin is None and task.dataset_path is None and task.dataset is None:
+        problems.append("spec.task: set builtin (a toy task) or dataset")
     if task.dataset_path is not None and not Path(task.dataset_path).is_file():
         problems.append(f"spec.task.datasetPath: {task.dataset_path} does not exist")
     if task.reward_function is not None:
         problems += _check_reward_function(task.reward_function)
+    for index, term in enumerate(task.reward_terms):
+        problems += _check_reward_term(index, term)
     if task.builtin is not None:
         problems += _check_builtin_task(task.builtin)
     return problems
@@ -152,6 +157,23 @@ def _check_reward_function(spec: str) -> list[str]:
         found = None
     if found is None:
         return [f"spec.task.rewardFunction: module {module!r} is not importable in the worker"]
+    return []
+
+
+def _check_reward_term(index: int, term: RewardTermConfig) -> list[str]:
+    where = f"spec.task.reward.terms[{index}]"
+    if term.type == "function":
+        return [
+            p.replace("spec.task.rewardFunction", f"{where}.function")
+            for p in _check_reward_function(term.function or "")
+        ]
+    if term.type in ("regex", "format") and term.pattern is not None:
+        try:
+            re.compile(term.pattern)
+        except re.error as err:
+            return [f"{where}.pattern: {term.pattern!r} is not a regular expression ({err})"]
+    if term.type == "math" and importlib.util.find_spec("math_verify") is None:
+        return [f"{where}: the math term needs math-verify in the worker image"]
     return []
 
 
@@ -356,6 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"invalid configuration: {problem}", file=sys.stderr)
+        write_termination_message("\n".join(exc.problems))
+        return EXIT_CONFIG
+    except DatasetError as exc:  # the task's data: a restart would read the same
+        print(f"invalid dataset: {exc}", file=sys.stderr)
+        write_termination_message(str(exc))
         return EXIT_CONFIG
     except ValidationError as exc:
         print(f"invalid process environment: {exc}", file=sys.stderr)
@@ -366,7 +393,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a crash: its traceback goes to the log, its line to the Event
+        write_termination_message(f"{type(exc).__name__}: {exc}")
+        raise
     return EXIT_OK
+
+
+TERMINATION_LOG_ENV = "RLJOB_TERMINATION_LOG"
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_MESSAGE_MAX = 4096  # what the kubelet keeps of it
+
+
+def write_termination_message(text: str) -> None:
+    """Leave why the process exits where Kubernetes shows it (the container's termination
+    message, ``/dev/termination-log``; the operator quotes it in the job's Event and
+    condition). Nothing is written where that file is not there (a local run)."""
+    path = Path(os.environ.get(TERMINATION_LOG_ENV, TERMINATION_LOG))
+    if not path.exists():
+        return
+    with contextlib.suppress(OSError):
+        path.write_text(text[-TERMINATION_MESSAGE_MAX:], encoding="utf-8")
 
 
 EXIT_SIGTERM = 128 + signal.SIGTERM

@@ -86,6 +86,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rljob_logprob_mismatch_kl",
         "Train/inference mismatch: k3 estimate of KL(rollout || trainer) per token (nats)",
     ),
+    "eval_accuracy": (
+        "rljob_eval_accuracy",
+        "Held-out pass@1 of the newest evaluated policy (spec.task.eval)",
+    ),
+    "eval_reward_mean": (
+        "rljob_eval_reward_mean",
+        "Held-out mean reward of the newest evaluated policy (spec.task.eval)",
+    ),
     "tokens_per_s": (
         "rljob_tokens_per_second",
         "Effective tokens per second of step time: generated (rollout, actor) or trained (trainer)",

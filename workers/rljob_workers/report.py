@@ -195,6 +195,7 @@ HISTORY_LABELS = {
     "step_time_s": "step time (s)",
     "idle_fraction": "idle fraction",
     "advantage_var": "advantage variance",
+    "eval_accuracy": "held-out accuracy (pass@1)",
 }
 
 

@@ -35,15 +35,17 @@ from typing import Any
 import torch
 
 from rljob_workers.buffer import Trajectory
-from rljob_workers.config import Control, ProcessEnv, Progress, WorkerConfig
+from rljob_workers.config import Control, EvalReport, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.engine import Completion, RolloutEngine, build_engine
+from rljob_workers.evaluation import eval_record, eval_report, eval_rows, evaluate
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.staleness import effective_max_versions, must_hold
 from rljob_workers.tasks import (
     PromptSampler,
     RewardScorer,
     TaskData,
+    load_eval_data,
     load_task_data,
     score_groups,
 )
@@ -103,8 +105,24 @@ class RolloutWorker:
         self.weights = WeightClient(
             f"{base}:{config.endpoints.weights_port}", token, reuse_buffers=True, tls=tls
         )
-        self.task: TaskData = load_task_data(config.task)
-        self.scorer = RewardScorer(self.task.reward, timeout_s=config.task.reward_timeout_s)
+        self.task: TaskData = load_task_data(
+            config.task, tokenizer_path=config.model.tokenizer_path or config.model.path
+        )
+        # the first rollout evaluates the policy versions that cross task.eval's boundaries
+        self.eval_data = (
+            load_eval_data(
+                config.task, tokenizer_path=config.model.tokenizer_path or config.model.path
+            )
+            if env.rank == 0
+            else None
+        )
+        self.evaluated_version = 0
+        self.last_eval: EvalReport | None = None
+        self.scorer = RewardScorer(
+            self.task.reward,
+            timeout_s=config.task.reward_timeout_s,
+            failure_value=config.task.reward_failure_value,
+        )
         # one shard per engine: the pod's engines (local ranks) are ranks of their own
         self.shard = shard_prompts(len(self.task.prompts), env.rank, env.world_size)
         boot_seed = secrets.randbits(31)
@@ -137,6 +155,7 @@ class RolloutWorker:
         finally:
             self._drain()
             self.reporter.close()
+            self.scorer.close()
             self.experience.close()
             self.engine.close()
         return self.records
@@ -180,7 +199,10 @@ class RolloutWorker:
         ):
             self._deliver(trajectories)
         self.batches += 1
-        self._record(trajectories, tokens, generated - started, time.perf_counter() - started)
+        evaluation = self._maybe_evaluate()
+        self._record(
+            trajectories, tokens, generated - started, time.perf_counter() - started, evaluation
+        )
         throttle = min(1.0, max(MIN_THROTTLE, control.rollout_throttle))
         if throttle < 1.0:
             with (
@@ -254,13 +276,16 @@ class RolloutWorker:
             self.first_generation_version = version
         created = self.clock()
         n = sampling.n
+        each = [i for i in indices for _ in range(n)]
         scored = score_groups(
             self.scorer,
             [c.text for c in completions],
-            [self.task.answers[i] for i in indices for _ in range(n)],
+            [self.task.answers[i] for i in each],
             [len(c.token_ids) for c in completions],
             n=n,
             overlong=self.config.algorithm.overlong,
+            extras=self.task.extras_of(each),
+            prompts=self.task.texts_of(each),
         )
         self.invalid_samples += scored.invalid_samples
         self.reporter.phases.add("reward", time.perf_counter() - scored_at)
@@ -325,8 +350,45 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------- reporting
 
+    def _maybe_evaluate(self) -> dict[str, Any]:
+        """Evaluate the served version when it crossed an ``everySteps`` boundary (or is the
+        last) since the last evaluation; its record keys (empty: not due)."""
+        evaluation = self.config.task.eval
+        version = self.engine.weights_version
+        if evaluation is None or self.eval_data is None or version <= self.evaluated_version:
+            return {}
+        every = evaluation.every_steps
+        crossed = version // every > self.evaluated_version // every
+        if not crossed and version < self.config.total_steps:
+            return {}
+        self.evaluated_version = version
+        with self.reporter.phases.timing("generate"):
+            sums = evaluate(
+                self.engine,
+                self.eval_data,
+                self.scorer,
+                evaluation,
+                self.config.rollout.sampling,
+                rows=eval_rows(evaluation.samples, len(self.eval_data.prompts), 0, 1),
+                seed=version,
+            )
+        result = eval_record(version, sums)
+        self.last_eval = eval_report(result) or self.last_eval
+        log.info(
+            "eval of version %d: accuracy %.3f over %d prompts",
+            version,
+            result.get("eval_accuracy", float("nan")),
+            sums.samples,
+        )
+        return result
+
     def _record(
-        self, trajectories: list[Trajectory], tokens: int, generate_s: float, batch_s: float
+        self,
+        trajectories: list[Trajectory],
+        tokens: int,
+        generate_s: float,
+        batch_s: float,
+        evaluation: dict[str, Any] | None = None,
     ) -> None:
         rewards = [float(t.info["task_reward"]) for t in trajectories]
         version = trajectories[0].policy_version if trajectories else self.engine.weights_version
@@ -346,6 +408,7 @@ class RolloutWorker:
             "step_time_s": batch_s,
             "held_s": self.held_s,
             "dropped_nonfinite": self.invalid_samples,
+            **self.scorer.take_terms(),
             "reward_timeouts": self.scorer.failures["timeout"],
             "reward_errors": self.scorer.failures["error"],
             "acked": stats.acked,
@@ -356,6 +419,7 @@ class RolloutWorker:
             "join_trainer_version": self.join_trainer_version,
             "first_generation_version": self.first_generation_version,
             "time": time.time(),
+            **(evaluation or {}),
             **self.reporter.utilization(),
         }
         self.records.append(record)
@@ -382,6 +446,7 @@ class RolloutWorker:
                 idle_fraction=finite_or_none(last.get("idle_fraction")),
                 accelerator_util=finite_or_none(last.get("accelerator_util")),
                 accelerator_util_std=finite_or_none(last.get("accelerator_util_std")),
+                eval=self.last_eval,
             )
         )
 

@@ -184,8 +184,8 @@ def merge_progress(reports: Sequence[Progress]) -> Progress | None:
     Throughput and drop counts add up; the pod is as stale and as lagging as its worst process
     (oldest report time, lowest policy version, highest lag and buffer age); rewards and
     utilisations are means; the pod starves if any process starves and is done when all are.
-    Everything else (checkpoints, the exported model, collapse and mismatch reports) comes from
-    the lowest local rank that has it."""
+    Everything else (checkpoints, the exported model, collapse, mismatch and eval reports)
+    comes from the lowest local rank that has it."""
     if not reports:
         return None
     first = reports[0]
@@ -217,6 +217,7 @@ def merge_progress(reports: Sequence[Progress]) -> Progress | None:
         "best_checkpoint",
         "best_reward",
         "logprob_mismatch",
+        "eval",
     ):
         update[name] = next(
             (getattr(r, name) for r in reports if getattr(r, name) is not None), None

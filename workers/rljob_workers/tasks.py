@@ -1,4 +1,4 @@
-"""Verifiable toy tasks generated locally, and the reward functions that score them.
+"""The prompts a job trains on, and scoring them: built-in toy tasks, datasets, chat templates.
 
 Built-in tasks (every answer is one digit, so a random tiny model hits it with chance ≈ 1/vocab
 on the first token and RL has a non-zero signal to climb from):
@@ -7,43 +7,75 @@ on the first token and RL has a non-zero signal to climb from):
 * ``successor`` — ``"next:7="`` → ``"8"`` (mod 10, so ``"next:9="`` → ``"0"``)
 * ``add-mod10`` — ``"3+4="`` → ``"7"`` (``"8+5="`` → ``"3"``)
 
-A dataset can also come from a JSONL file with one ``{"prompt": ..., "answer": ...}`` per line.
-Rewards are plain functions ``(response_text, answer) -> float``; the default is
-``exact_match_reward``, another can be plugged in by import path ``"package.module:function"``.
+A dataset is a JSONL, JSON or parquet file of rows (``datasets.py``: ``spec.task.dataset``, or
+the older ``datasetPath``: JSONL of ``{"prompt", "answer"}``). With ``chatTemplate: auto`` a
+row's prompt (or its chat messages, after an optional system prompt) goes through the
+tokenizer's chat template with the generation prompt added, and the engines get those token ids:
+what the trainer learns from are the engine's own prompt and response ids, never re-tokenised
+text. Rewards are ``rewards.py``'s.
 
 Both topologies draw their prompts and score their samples here: ``load_task_data`` (prompts,
-answers and reward of a job), ``PromptSampler`` (the checkpointable, reshuffled walk over them)
-and ``score_groups`` (task reward, DAPO overlong shaping, and the groups a non-finite reward
-disqualifies). ``RewardScorer`` calls the reward function for a batch concurrently, off the
-generation thread, each call with a time limit: a call that raises or runs past it scores NaN
-(its group is left out, as any non-finite reward's) and is counted by reason, never fatal.
+answers, the rows' other columns and the reward of a job), ``PromptSampler`` (the
+checkpointable, reshuffled walk over them) and ``score_groups`` (task reward, DAPO overlong
+shaping, and the groups a non-finite or failed reward disqualifies).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
-import queue
 import random
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rljob_workers.config import DatasetConfig
+from rljob_workers.datasets import DatasetError, Row, load_rows
+from rljob_workers.rewards import (  # re-exported: where they were before rewards.py
+    PARTIAL_CREDIT,
+    REWARD_FAILURE_REASONS,
+    REWARD_FUNCTIONS,
+    Reward,
+    RewardScorer,
+    build_reward,
+    exact_match_reward,
+    load_reward_function,
+    normalise_response,
+)
+
 if TYPE_CHECKING:
     from rljob_workers.config import OverlongConfig, TaskConfig
 
+__all__ = [
+    "PARTIAL_CREDIT",
+    "REWARD_FAILURE_REASONS",
+    "REWARD_FUNCTIONS",
+    "TASKS",
+    "DatasetError",
+    "GroupScores",
+    "PromptSampler",
+    "RewardScorer",
+    "TaskData",
+    "TaskExample",
+    "chat_messages",
+    "exact_match_reward",
+    "format_prompts",
+    "generate_examples",
+    "load_eval_data",
+    "load_examples",
+    "load_reward_function",
+    "load_task_data",
+    "mix_seed",
+    "normalise_response",
+    "score_groups",
+]
+
 log = logging.getLogger(__name__)
 
-RewardFunction = Callable[[str, str], float]
 
 DEFAULT_TASK = "copy"
-PARTIAL_CREDIT = 0.1
-_STRIPPED_TOKENS = ("</s>", "<pad>")
 
 
 @dataclass(frozen=True)
@@ -142,98 +174,148 @@ def load_examples(source: str, num_examples: int, *, seed: int) -> list[TaskExam
     return [rng.choice(examples) for _ in range(num_examples)]
 
 
-def normalise_response(response_text: str) -> str:
-    """Strip end-of-sequence / padding markers and surrounding whitespace from a response."""
-    text = response_text.strip()
-    stripped = True
-    while stripped:
-        stripped = False
-        for token in _STRIPPED_TOKENS:
-            if text.endswith(token):
-                text = text.removesuffix(token).rstrip()
-                stripped = True
-    return text
-
-
-def exact_match_reward(response_text: str, answer: str) -> float:
-    """Score a response: 1.0 for an exact match, 0.1 for a right first character, else 0.0.
-
-    The response is compared after ``normalise_response`` (trailing ``</s>``/``<pad>`` and
-    surrounding whitespace removed). The 0.1 partial credit rewards a response that starts with the
-    answer's first character but does not stop there (e.g. ``"77"`` or ``"7 ="`` for ``"7"``): a
-    random tiny model almost never emits the answer *and then* end-of-sequence, so without it the
-    first steps of RL would see no reward at all.
-    """
-    text = normalise_response(response_text)
-    expected = answer.strip()
-    if text == expected:
-        return 1.0
-    if text and expected and text[0] == expected[0]:
-        return PARTIAL_CREDIT
-    return 0.0
-
-
-REWARD_FUNCTIONS: dict[str, RewardFunction] = {"exact-match": exact_match_reward}
-
-
-def load_reward_function(path: str) -> RewardFunction:
-    """Resolve a reward function from a built-in name or an import path ``"module:function"``.
-
-    Raises ``ValueError`` whose message names the bad path and what is wrong with it.
-    """
-    if path in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[path]
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(
-            f"reward function {path!r}: expected 'package.module:function' "
-            f"or a built-in name {sorted(REWARD_FUNCTIONS)}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"reward function {path!r}: cannot import module {module_name!r} ({error})"
-        ) from error
-    function = module
-    for part in attribute.split("."):
-        if not hasattr(function, part):
-            raise ValueError(
-                f"reward function {path!r}: module {module_name!r} has no attribute {attribute!r}"
-            )
-        function = getattr(function, part)
-    if not callable(function):
-        raise ValueError(f"reward function {path!r}: {attribute!r} is not callable")
-    reward: RewardFunction = function
-    return reward
-
-
 # ------------------------------------------------------------------ a job's data and sampling
 
 
 @dataclass(frozen=True)
 class TaskData:
-    """The prompts to train on, their reference answers and the reward function."""
+    """The prompts to train on (text, or chat-templated token ids: what the engines get), their
+    reference answers, the reward, and per prompt its row's other columns and its text."""
 
-    prompts: Sequence[str]
+    prompts: Sequence[str | list[int]]
     answers: Sequence[str]
-    reward: RewardFunction
+    reward: Reward | Callable[[str, str], float]
+    extras: Sequence[Mapping[str, Any]] = ()
+    prompt_texts: Sequence[str] = ()
+
+    def extras_of(self, indices: Sequence[int]) -> list[Mapping[str, Any]]:
+        return [self.extras[i] if self.extras else {} for i in indices]
+
+    def texts_of(self, indices: Sequence[int]) -> list[str]:
+        """The prompts as text (a templated prompt's rendering), for rewards and displays."""
+        out = []
+        for i in indices:
+            if self.prompt_texts:
+                out.append(self.prompt_texts[i])
+            else:
+                prompt = self.prompts[i]
+                out.append(prompt if isinstance(prompt, str) else "")
+        return out
 
 
-def load_task_data(task: TaskConfig) -> TaskData:
-    """Prompts, answers and reward of the job's task (built-in toy task or JSONL dataset)."""
-    source = task.dataset_path if task.dataset_path is not None else task.builtin
-    if source is None:
-        raise ValueError("spec.task: set builtin (a toy task) or datasetPath")
-    examples = load_examples(source, task.num_prompts, seed=task.task_seed)
-    reward = (
-        exact_match_reward
-        if task.reward_function is None
-        else load_reward_function(task.reward_function)
+def load_task_data(task: TaskConfig, *, tokenizer_path: str | None = None) -> TaskData:
+    """Prompts, answers, extras and reward of the job's task: a built-in toy task, or a
+    dataset (``task.dataset``, or the older ``datasetPath`` JSONL); ``tokenizer_path`` is the
+    tokenizer whose chat template ``chatTemplate: auto`` applies.
+
+    Raises ``DatasetError`` naming the field, the file and the fix."""
+    if task.dataset is not None or task.dataset_path is not None:
+        dataset = task.dataset or DatasetConfig(path=str(task.dataset_path), format="jsonl")
+        rows = load_rows(dataset)
+    elif task.builtin is not None:
+        rows = [
+            Row(prompt=e.prompt, answer=e.answer)
+            for e in generate_examples(task.builtin, task.num_prompts, seed=task.task_seed)
+        ]
+    else:
+        raise DatasetError("spec.task: set builtin (a toy task) or dataset")
+    prompts, texts = format_prompts(
+        rows, task.chat_template, task.system_prompt, tokenizer_path=tokenizer_path
     )
     return TaskData(
-        prompts=[e.prompt for e in examples], answers=[e.answer for e in examples], reward=reward
+        prompts=prompts,
+        answers=[r.answer for r in rows],
+        reward=build_reward(task),
+        extras=[r.extra for r in rows],
+        prompt_texts=texts,
     )
+
+
+def load_eval_data(task: TaskConfig, *, tokenizer_path: str | None = None) -> TaskData | None:
+    """The held-out rows of ``task.eval``, formatted and scored as the training prompts are
+    (None without ``task.eval``)."""
+    if task.eval is None:
+        return None
+    held_out = task.model_copy(
+        update={"dataset": task.eval.dataset, "dataset_path": None, "builtin": None}
+    )
+    try:
+        return load_task_data(held_out, tokenizer_path=tokenizer_path)
+    except DatasetError as err:  # name the eval dataset's fields, not the training one's
+        raise DatasetError(str(err).replace("spec.task.dataset", "spec.task.eval.dataset")) from err
+
+
+def format_prompts(
+    rows: Sequence[Row],
+    chat_template: str,
+    system_prompt: str | None,
+    *,
+    tokenizer_path: str | None,
+) -> tuple[list[str | list[int]], list[str]]:
+    """What the engines get for each row, and its text.
+
+    ``none``: the prompt text (after the system prompt and a blank line, if one is set); a row
+    of chat messages needs a template. ``auto``: the token ids of the tokenizer's chat template
+    over the messages (the system prompt first, unless the row has its own), with the generation
+    prompt added: exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``.
+    """
+    if chat_template == "none":
+        out: list[str | list[int]] = []
+        for index, row in enumerate(rows):
+            if not isinstance(row.prompt, str):
+                raise DatasetError(
+                    f"spec.task.chatTemplate: row {index} is a chat (messagesField) and "
+                    "chatTemplate is none; set chatTemplate: auto"
+                )
+            out.append(f"{system_prompt}\n\n{row.prompt}" if system_prompt else row.prompt)
+        return out, [str(p) for p in out]
+    tokenizer = _chat_tokenizer(tokenizer_path)
+    ids: list[str | list[int]] = []
+    texts: list[str] = []
+    for row in rows:
+        messages = chat_messages(row.prompt, system_prompt)
+        ids.append(
+            [
+                int(i)
+                for i in tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            ]
+        )
+        texts.append(
+            str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        )
+    return ids, texts
+
+
+def chat_messages(
+    prompt: str | Sequence[Mapping[str, str]], system_prompt: str | None
+) -> list[dict[str, str]]:
+    """A row's prompt as chat messages: the system prompt (unless the row has its own system
+    message), then the row's messages, or one user message with its text."""
+    messages = (
+        [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str)
+        else [dict(m) for m in prompt]
+    )
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _chat_tokenizer(tokenizer_path: str | None) -> Any:
+    if tokenizer_path is None:
+        raise DatasetError("spec.task.chatTemplate: auto needs the model's tokenizer")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            f"spec.task.chatTemplate: auto, but the tokenizer at {tokenizer_path} has no chat "
+            "template; set chatTemplate: none for a base model, or use an instruct model's "
+            "tokenizer (spec.model.tokenizerPath)"
+        )
+    return tokenizer
 
 
 def mix_seed(*parts: int) -> int:
@@ -304,101 +386,24 @@ class GroupScores:
         return group * sum(1 for ok in self.valid if not ok)
 
 
-REWARD_FAILURE_REASONS = ("timeout", "error")
-"""Why a reward call scored NaN: it ran past ``task.reward.timeoutSeconds`` or it raised."""
-
-
-class RewardScorer:
-    """Calls a reward function on a batch concurrently (``workers`` daemon threads), each call
-    with a wall-clock limit counted from when it starts.
-
-    A call that raises, returns a non-number or runs past ``timeout_s`` scores NaN and is
-    counted in ``failures`` (``timeout`` / ``error``). A Python thread cannot be killed, so a
-    call past its limit is abandoned to finish in the background (its thread is a daemon: it
-    never holds the process at exit) and a fresh thread takes its place: a hung reward costs
-    the batch its limit once, never the worker its scoring capacity.
-    """
-
-    def __init__(self, reward: RewardFunction, *, timeout_s: float, workers: int = 4) -> None:
-        self.reward = reward
-        self.timeout_s = timeout_s
-        self.workers = max(1, workers)
-        self.failures: dict[str, int] = dict.fromkeys(REWARD_FAILURE_REASONS, 0)
-
-    def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> list[float]:
-        """One reward per (text, answer); NaN for a failed or timed-out call."""
-        if len(texts) != len(answers):
-            raise ValueError(f"{len(texts)} responses for {len(answers)} answers")
-        todo = queue.SimpleQueue[int]()
-        for index in range(len(texts)):
-            todo.put(index)
-        state = threading.Condition()
-        started: dict[int, float] = {}
-        results: dict[int, float | BaseException] = {}
-        given_up: set[int] = set()
-
-        def work() -> None:
-            while True:
-                try:
-                    index = todo.get_nowait()
-                except queue.Empty:
-                    return
-                with state:
-                    started[index] = time.monotonic()
-                outcome: float | BaseException
-                try:
-                    outcome = float(self.reward(texts[index], answers[index]))
-                except Exception as exc:  # a user's reward function: anything can go wrong
-                    outcome = exc
-                with state:
-                    if index in given_up:
-                        return  # timed out meanwhile: a replacement thread took over
-                    results[index] = outcome
-                    state.notify_all()
-
-        def spawn() -> None:
-            threading.Thread(target=work, name="reward", daemon=True).start()
-
-        for _ in range(min(self.workers, len(texts))):
-            spawn()
-        with state:
-            while len(results) + len(given_up) < len(texts):
-                now = time.monotonic()
-                for index, began in started.items():
-                    if index in results or index in given_up or now - began <= self.timeout_s:
-                        continue
-                    given_up.add(index)
-                    self.failures["timeout"] += 1
-                    log.warning(
-                        "the reward function ran past task.reward.timeoutSeconds (%.3g s) on "
-                        "sample %d: scored NaN",
-                        self.timeout_s,
-                        index,
-                    )
-                    spawn()
-                state.wait(timeout=min(0.05, self.timeout_s))
-        out = [math.nan] * len(texts)
-        for index, outcome in results.items():
-            if isinstance(outcome, BaseException):
-                self.failures["error"] += 1
-                log.warning("the reward function failed on sample %d: %r", index, outcome)
-            else:
-                out[index] = outcome
-        return out
-
-
 def score_groups(
-    reward: Callable[[Sequence[str], Sequence[str]], list[float]],
+    reward: Callable[..., list[float]],
     texts: Sequence[str],
     answers: Sequence[str],
     lengths: Sequence[int],
     *,
     n: int,
     overlong: OverlongConfig,
+    extras: Sequence[Mapping[str, Any]] | None = None,
+    prompts: Sequence[str] | None = None,
 ) -> GroupScores:
     """Score samples laid out as contiguous groups of ``n`` (one answer per sample);
-    ``reward`` scores a batch (a ``RewardScorer``)."""
-    rewards = [float(r) for r in reward(texts, answers)]
+    ``reward`` scores a batch (a ``RewardScorer``: the rows' extras and prompt texts too)."""
+    if extras is None and prompts is None:
+        scored = reward(texts, answers)
+    else:
+        scored = reward(texts, answers, extras, prompts)
+    rewards = [float(r) for r in scored]
     scores = list(rewards)
     if overlong.enabled:
         import torch

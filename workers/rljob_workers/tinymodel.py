@@ -5,7 +5,12 @@ weights come from a seeded random init, and the tokenizer maps every character o
 alphabet (digits, lowercase letters, space and ``+-*=:?,.``) to one token. Encoding prepends
 ``<s>``; generation stops at ``</s>``.
 
-Run ``python -m rljob_workers.tinymodel OUT_DIR`` to build one from the command line.
+``chat=True`` builds the chat variant: a wider alphabet (upper case, newline and the signs word
+problems use), ChatML's ``<|im_start|>`` and ``<|im_end|>`` as special tokens (``<|im_end|>`` ends
+generation), ``<answer>`` and ``</answer>`` as single ordinary tokens, and a real chat template
+(ChatML, as Qwen2.5's) in its tokenizer config.
+
+Run ``python -m rljob_workers.tinymodel OUT_DIR [--chat]`` to build one from the command line.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 ALPHABET: str = string.digits + string.ascii_lowercase + " " + "+-*=:?,."
 VOCAB: tuple[str, ...] = SPECIAL_TOKENS + tuple(ALPHABET)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ANSWER_TAGS = ("<answer>", "</answer>")
+CHAT_ALPHABET: str = ALPHABET + string.ascii_uppercase + "\n#$%()/'!;"
+CHAT_VOCAB: tuple[str, ...] = (*SPECIAL_TOKENS, IM_START, IM_END, *ANSWER_TAGS, *CHAT_ALPHABET)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML, the template of Qwen2.5's instruct models."""
 MANIFEST_NAME = "rljob-tinymodel.json"
 ATTENTION_HEAD_DIM = 32  # smallest head size vLLM's CPU attention backend accepts
 
@@ -43,6 +59,7 @@ class TinyModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     vocab: tuple[str, ...] = VOCAB
+    chat: bool = False
 
 
 def build_tiny_model(
@@ -55,6 +72,7 @@ def build_tiny_model(
     num_kv_heads: int = 1,
     max_position_embeddings: int = 256,
     tie_word_embeddings: bool = True,
+    chat: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny Qwen2ForCausalLM checkpoint in ``out_dir`` and return its path.
 
@@ -76,12 +94,14 @@ def build_tiny_model(
         num_kv_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
+        vocab=CHAT_VOCAB if chat else VOCAB,
+        chat=chat,
     )
     out = Path(out_dir)
     if _read_manifest(out) != spec:
         out.mkdir(parents=True, exist_ok=True)
         (out / MANIFEST_NAME).unlink(missing_ok=True)
-        _save_tokenizer(out)
+        build_tokenizer(chat=chat).save_pretrained(str(out))
         _save_model(out, spec)
         (out / MANIFEST_NAME).write_text(json.dumps(asdict(spec), indent=2) + "\n")
     _make_readable(out)
@@ -104,8 +124,9 @@ def _read_manifest(out: Path) -> TinyModelSpec | None:
         return None
 
 
-def build_tokenizer() -> PreTrainedTokenizerBase:
-    """Return the character-level tokenizer over ``VOCAB``.
+def build_tokenizer(*, chat: bool = False) -> PreTrainedTokenizerBase:
+    """Return the character-level tokenizer over ``VOCAB`` (``CHAT_VOCAB`` and the chat template
+    with ``chat``).
 
     It is a byte-level BPE with no merges, so every character is one token. That is exactly the
     pipeline ``Qwen2Tokenizer`` rebuilds from ``tokenizer.json`` (``AutoTokenizer`` forces it for a
@@ -114,27 +135,28 @@ def build_tokenizer() -> PreTrainedTokenizerBase:
     """
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-    vocab = {_byte_level(token): index for index, token in enumerate(VOCAB)}
+    vocab = {_byte_level(token): index for index, token in enumerate(CHAT_VOCAB if chat else VOCAB)}
     tokenizer: PreTrainedTokenizerBase = Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
         bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
+        eos_token=IM_END if chat else EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        add_bos_token=True,
+        add_bos_token=not chat,  # a chat template says where the prompt starts
         clean_up_tokenization_spaces=False,
     )
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+        tokenizer.add_tokens(list(ANSWER_TAGS))  # ordinary: they stay in decoded text
+        tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
 def _byte_level(token: str) -> str:
-    """Spell a vocabulary entry the way GPT-2 byte-level pre-tokenization does (space is 'Ġ')."""
-    return "\u0120" if token == " " else token
-
-
-def _save_tokenizer(out: Path) -> None:
-    build_tokenizer().save_pretrained(str(out))
+    """Spell a vocabulary entry the way GPT-2 byte-level pre-tokenization does (space is 'Ġ',
+    newline 'Ċ')."""
+    return {" ": "\u0120", "\n": "\u010a"}.get(token, token)
 
 
 def _save_model(out: Path, spec: TinyModelSpec) -> None:
@@ -142,6 +164,7 @@ def _save_model(out: Path, spec: TinyModelSpec) -> None:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     ids = {token: index for index, token in enumerate(spec.vocab)}
+    eos = ids[IM_END] if spec.chat else ids[EOS_TOKEN]
     config = Qwen2Config(
         vocab_size=len(spec.vocab),
         hidden_size=spec.hidden_size,
@@ -152,7 +175,7 @@ def _save_model(out: Path, spec: TinyModelSpec) -> None:
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=ids[BOS_TOKEN],
-        eos_token_id=ids[EOS_TOKEN],
+        eos_token_id=eos,
         pad_token_id=ids[PAD_TOKEN],
         dtype="float32",
     )
@@ -163,7 +186,7 @@ def _save_model(out: Path, spec: TinyModelSpec) -> None:
     torch.nn.Module.float(model)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=ids[BOS_TOKEN],
-        eos_token_id=ids[EOS_TOKEN],
+        eos_token_id=eos,
         pad_token_id=ids[PAD_TOKEN],
     )
     model.save_pretrained(str(out), safe_serialization=True)
@@ -176,9 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument(
+        "--chat", action="store_true", help="the chat variant (ChatML template, wider alphabet)"
+    )
     args = parser.parse_args(argv)
     path = build_tiny_model(
-        args.out_dir, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers
+        args.out_dir,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        chat=args.chat,
     )
     print(path)
     return 0

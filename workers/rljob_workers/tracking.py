@@ -74,6 +74,7 @@ HISTORY_SERIES = (
     "step_time_s",
     "idle_fraction",
     "advantage_var",
+    "eval_accuracy",
 )
 """The curves ``rljob plot`` draws, kept in the job's history (a few, so it stays small)."""
 HISTORY_POINTS = 256

@@ -112,6 +112,17 @@ class LogprobMismatchStatus(StatusModel):
     tokens: int = Field(ge=0, description="Tokens it was measured on.")
 
 
+class EvalStatus(StatusModel):
+    """The newest held-out evaluation (spec.task.eval)."""
+
+    step: int = Field(ge=0, description="Training step of the policy evaluated.")
+    accuracy: float = Field(
+        ge=0, le=1, description="pass@1: the share of responses reaching passReward."
+    )
+    reward_mean: float = Field(description="Mean reward of the evaluated responses.")
+    samples: int = Field(ge=0, description="Prompts evaluated.")
+
+
 class KueueEviction(StatusModel):
     """Why Kueue last took the job's quota away."""
 
@@ -217,6 +228,11 @@ class RLJobStatus(StatusModel):
     )
     collapse: CollapseStatus | None = Field(
         None, description="The newest collapse of the reward or entropy (spec.collapse)."
+    )
+    eval: EvalStatus | None = Field(
+        None,
+        description="The newest held-out evaluation of the policy (spec.task.eval): accuracy "
+        "and mean reward on the eval dataset.",
     )
     logprob_mismatch: LogprobMismatchStatus | None = Field(
         None,

@@ -39,6 +39,9 @@ from rljob_operator.reconcile.shared import (
     _seconds,
 )
 
+EXIT_CONFIG = 2
+"""The workers' exit code for a configuration or dataset they refuse (``rljob_workers.main``)."""
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -91,7 +94,9 @@ def _failure(
         return Failure("NodeLost", code, f"node {node} NotReady")
     if _terminated_reason(status) == "OOMKilled":
         return Failure("OOMKilled", code, "OOMKilled")
-    return Failure("Error", code, "Failed" if code is None else f"Failed (exit code {code})")
+    text = "Failed" if code is None else f"Failed (exit code {code})"
+    said = _termination_message(status)
+    return Failure("Error", code, f"{text}: {said}" if said else text)
 
 
 def _terminated(status: dict[str, Any]) -> list[dict[str, Any]]:
@@ -105,6 +110,20 @@ def _terminated(status: dict[str, Any]) -> list[dict[str, Any]]:
 def _exit_code(status: dict[str, Any]) -> int | None:
     codes = [int(t.get("exitCode", 0)) for t in _terminated(status)]
     return next((c for c in codes if c), codes[0] if codes else None)
+
+
+MESSAGE_SHOWN = 1024
+"""Characters of a container's termination message quoted in Events and conditions."""
+
+
+def _termination_message(status: dict[str, Any]) -> str | None:
+    """What the failed container said on its way out (the worker writes why it refused its
+    configuration or dataset there), on one line and bounded."""
+    said = next((str(t["message"]) for t in _terminated(status) if t.get("message")), None)
+    if not said:
+        return None
+    line = " ".join(said.split())
+    return line if len(line) <= MESSAGE_SHOWN else line[: MESSAGE_SHOWN - 3] + "..."
 
 
 def _terminated_reason(status: dict[str, Any]) -> str | None:
@@ -122,6 +141,9 @@ def _decide(spec: RLJobSpec, role: str, failure: Failure) -> tuple[str, str]:
             return rule.action, f"spec.failurePolicy.rules[{i}]"
     if failure.reason in DISRUPTION_REASONS:
         return "Ignore", "default for disruptions"
+    if failure.reason == "Error" and failure.exit_code == EXIT_CONFIG:
+        # the worker refused its configuration or dataset: a restart reads the same
+        return "FailJob", f"the default for exit code {EXIT_CONFIG} (invalid configuration)"
     return "RestartRole", "default"
 
 

@@ -246,6 +246,15 @@ def _report_progress(
             _collapse_reported(work, lead)
         if lead.logprob_mismatch is not None:
             work.status["logprobMismatch"] = _mismatch_status(lead.logprob_mismatch)
+    evals = [p.eval for p in progress if p.eval is not None]
+    if evals:  # the newest policy evaluated: by the first actor, or the first rollout
+        newest = max(evals, key=lambda e: e.step)
+        work.status["eval"] = {
+            "step": newest.step,
+            "accuracy": float(f"{newest.accuracy:.4g}"),
+            "rewardMean": float(f"{newest.reward_mean:.4g}"),
+            "samples": newest.samples,
+        }
     lags = [p.policy_lag_ms for p in live if p.policy_lag_ms is not None]
     if lags:
         work.status["policyLagMs"] = round(max(lags), 3)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 FinishReason: TypeAlias = Literal["stop", "length", "abort"]
-Prompts: TypeAlias = Sequence[str] | Sequence[Sequence[int]]
+Prompts: TypeAlias = Sequence[str | Sequence[int]]
 
 
 @runtime_checkable

@@ -107,6 +107,11 @@ class VLLMEngine:
         }
         if in_process:
             args["distributed_executor_backend"] = "uni"
+        if current_platform.is_cpu():
+            # a prefill split over steps rolls its seeded generator back, which a CPU torch
+            # Generator cannot do (vLLM: "CPU Generator does not use offset"); batches of long
+            # prompts (chat templates, word problems) were split
+            args["enable_chunked_prefill"] = False
         if not current_platform.is_cpu():
             args["gpu_memory_utilization"] = gpu_memory_utilization
         elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # that legacy setting wins in vLLM
