@@ -58,24 +58,28 @@ def run_one(
     job = out / "job.yaml"
     job.write_text(yaml.safe_dump(manifest, sort_keys=False))
     started = time.monotonic()
-    command = [
-        str(ROOT / ".venv" / "bin" / "rljob"),
-        "run",
-        str(job),
-        "--local",
-        "--model",
-        str(model),
-        "--steps",
-        str(steps),
-        "--workdir",
-        str(out / "run"),
-    ]
+    command = local_run_command(job, out / "run", steps, "--model", str(model))
     with (out / "run.log").open("w") as log:
         rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     wall = time.monotonic() - started
     role = "actor" if "colocated" in example else "trainer"
     records = _records(out / "run" / f"metrics-{role}-0.jsonl")
     return summarise(example, seed, steps, records, rc=rc, wall_s=wall, out=out)
+
+
+def local_run_command(job: Path, workdir: Path, steps: int, *extra: str) -> list[str]:
+    """``rljob run JOB --local`` for ``steps`` steps in ``workdir``, with ``extra`` flags."""
+    return [
+        str(ROOT / ".venv" / "bin" / "rljob"),
+        "run",
+        str(job),
+        "--local",
+        *extra,
+        "--steps",
+        str(steps),
+        "--workdir",
+        str(workdir),
+    ]
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

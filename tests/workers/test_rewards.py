@@ -252,3 +252,25 @@ def test_http_reward_sends_the_prompt_answer_and_row(verifier: str) -> None:
         assert got == [{"prompt": "p", "response": "r", "answer": "a", "extra": {"tests": ["t"]}}]
     finally:
         server.shutdown()
+
+
+def test_the_scorer_reports_each_terms_mean_for_the_step_record() -> None:
+    """The step records carry ``reward_<term>`` (unweighted means of the samples scored since
+    the last record; failed samples left out), so a run shows its format term rising before
+    its accuracy. An evaluation's scoring is not counted."""
+    task = _terms(
+        {"type": "math"},
+        {"type": "format", "weight": 0.2},
+        {"type": "format", "pattern": r"<answer>.*", "weight": 0.1},
+    )
+    scorer = RewardScorer(build_reward(task), timeout_s=5.0)
+    scorer(["<answer>7</answer>", "<answer>3</answer>"], ["#### 7", "#### 7"])
+    scorer(["7", "<answer>7"], ["#### 7", "#### 7"])
+    assert scorer.take_terms() == {
+        "reward_math": 0.5,
+        "reward_format": 0.5,
+        "reward_format_2": 0.75,
+    }
+    assert scorer.take_terms() == {}
+    scorer(["<answer>7</answer>"], ["#### 7"], count_terms=False)
+    assert scorer.take_terms() == {}
