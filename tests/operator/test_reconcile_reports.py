@@ -219,3 +219,38 @@ def test_the_newest_evaluation_becomes_status_eval() -> None:
         "rewardMean": 0.4875,
         "samples": 64,
     }
+
+
+def test_reward_failures_become_a_rate_limited_warning_event() -> None:
+    """Issue 28 item 3: a reward that times out or raises is surfaced as a Warning Event,
+    at most one a minute, and counted in status.rewardFailures."""
+    observed = converged(JOB)
+
+    def rollouts(timeouts: int, errors: int, at: float) -> Observed:
+        beat = {
+            "role": "rollout",
+            "replica": 0,
+            "time": at,
+            "reward_failures": {"timeout": timeouts, "error": errors},
+        }
+        return with_entries(observed, ROLLOUT_CM, {"rollout-0": json.dumps(beat)})
+
+    first = reconcile(rollouts(2, 1, NOW), now=NOW + 1)
+    (warning,) = warnings(first, "RewardFailures")
+    assert warning.startswith("3 reward call(s) failed since the last warning (error 1, timeout 2")
+    status = status_of(first, observed)
+    assert status["rewardFailures"]["warned"] == 3
+    # more failures 10 s later: counted, no second Event within the minute
+    later = with_status(rollouts(5, 1, NOW + 10), status)
+    quiet = reconcile(later, now=NOW + 11)
+    assert not warnings(quiet, "RewardFailures")
+    status = status_of(quiet, later)
+    assert (status["rewardFailures"]["timeout"], status["rewardFailures"]["warned"]) == (5, 3)
+    # a minute on, the 3 new ones get their Event
+    again = with_status(rollouts(5, 1, NOW + 70), status)
+    (warning,) = warnings(reconcile(again, now=NOW + 71), "RewardFailures")
+    assert warning.startswith("3 reward call(s) failed since the last warning")
+    # no failures at all: no status field, no Event
+    clean = reconcile(rollouts(0, 0, NOW), now=NOW + 1)
+    assert "rewardFailures" not in status_of(clean, observed)
+    assert not warnings(clean, "RewardFailures")

@@ -39,6 +39,7 @@ from rljob_workers.evaluation import (
     eval_report,
     eval_rows,
     reduce_sums,
+    version_due,
 )
 from rljob_workers.tinymodel import build_tiny_model
 from rljob_workers.wordproblems import generate_problems, write_problems
@@ -47,6 +48,18 @@ from rljob_workers.wordproblems import generate_problems, write_problems
 def test_eval_is_due_at_boundaries_and_at_the_end() -> None:
     assert [s for s in range(0, 12) if eval_due(s, 4, 10)] == [4, 8, 10]
     assert not eval_due(0, 4, 10)
+
+
+def test_a_rollout_evaluates_each_crossed_boundary_once_and_the_last_version() -> None:
+    """Disaggregated: the first rollout serves the newest version it can load, skipping some."""
+    served = [1, 3, 4, 4, 7, 9, 12, 13, 15]
+    evaluated, done = 0, []
+    for version in served:
+        if version_due(version, evaluated, every=4, total=15):
+            done.append(version)
+            evaluated = version
+    assert done == [4, 9, 12, 15]  # 4; 8 crossed by 9; 12; the last
+    assert not version_due(5, 5, every=4, total=15)
 
 
 def test_actors_split_the_rows_and_the_totals_add_up() -> None:

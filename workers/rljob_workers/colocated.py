@@ -674,6 +674,10 @@ class _StepReporter(RoleReporter):
                 accelerator_util_std=finite_or_none(record.get("accelerator_util_std")),
                 **health_fields(record),
                 eval=self.last_eval,
+                reward_failures={
+                    "timeout": int(record.get("reward_timeouts", 0)),
+                    "error": int(record.get("reward_errors", 0)),
+                },
                 done=done,
             )
         )

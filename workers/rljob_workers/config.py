@@ -465,6 +465,7 @@ PROGRESS_FIELDS_SINCE: dict[str, int] = {
     "best_reward": 4,
     "logprob_mismatch": 5,
     "eval": 8,
+    "reward_failures": 8,
 }
 """Progress fields added after schema 1, with the schema version that added them: a report to
 an operator of an older schema leaves them out (that operator's model refuses unknown fields
@@ -553,6 +554,11 @@ class Progress(_Model):
     )
     eval: EvalReport | None = Field(
         None, description="the newest held-out evaluation (None: none yet, or no task.eval)"
+    )
+    reward_failures: dict[str, int] = Field(
+        default_factory=dict,
+        description="reward calls that failed since the process started, by reason (timeout, "
+        "error)",
     )
     done: bool = Field(False, description="totalSteps reached; the job may finish")
 

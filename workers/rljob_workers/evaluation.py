@@ -38,6 +38,7 @@ __all__ = [
     "eval_rows",
     "evaluate",
     "reduce_sums",
+    "version_due",
 ]
 
 
@@ -60,6 +61,15 @@ class EvalSums:
 def eval_due(step: int, every: int, total: int) -> bool:
     """Whether the policy after ``step`` is evaluated: every ``every`` steps, and the last."""
     return step > 0 and (step % every == 0 or step == total)
+
+
+def version_due(version: int, evaluated: int, every: int, total: int) -> bool:
+    """Whether a rollout evaluates the ``version`` it now serves, the last it evaluated being
+    ``evaluated``: when it crossed a multiple of ``every`` since, or is the last version. A
+    rollout can skip versions (it loads the newest): a crossed boundary counts once."""
+    if version <= evaluated:
+        return False
+    return version // every > evaluated // every or version >= total
 
 
 def evaluate(

@@ -38,7 +38,13 @@ from rljob_workers.buffer import Trajectory
 from rljob_workers.config import Control, EvalReport, ProcessEnv, Progress, WorkerConfig
 from rljob_workers.control import ControlWatcher, stop_on_sigterm
 from rljob_workers.engine import Completion, RolloutEngine, build_engine
-from rljob_workers.evaluation import eval_record, eval_report, eval_rows, evaluate
+from rljob_workers.evaluation import (
+    eval_record,
+    eval_report,
+    eval_rows,
+    evaluate,
+    version_due,
+)
 from rljob_workers.metrics import RoleReporter, finite_or_none
 from rljob_workers.staleness import effective_max_versions, must_hold
 from rljob_workers.tasks import (
@@ -355,11 +361,16 @@ class RolloutWorker:
         last) since the last evaluation; its record keys (empty: not due)."""
         evaluation = self.config.task.eval
         version = self.engine.weights_version
-        if evaluation is None or self.eval_data is None or version <= self.evaluated_version:
-            return {}
-        every = evaluation.every_steps
-        crossed = version // every > self.evaluated_version // every
-        if not crossed and version < self.config.total_steps:
+        if (
+            evaluation is None
+            or self.eval_data is None
+            or not version_due(
+                version,
+                self.evaluated_version,
+                evaluation.every_steps,
+                self.config.total_steps,
+            )
+        ):
             return {}
         self.evaluated_version = version
         with self.reporter.phases.timing("generate"):
@@ -447,6 +458,7 @@ class RolloutWorker:
                 accelerator_util=finite_or_none(last.get("accelerator_util")),
                 accelerator_util_std=finite_or_none(last.get("accelerator_util_std")),
                 eval=self.last_eval,
+                reward_failures=dict(self.scorer.failures),
             )
         )
 

@@ -190,9 +190,12 @@ def merge_progress(reports: Sequence[Progress]) -> Progress | None:
         return None
     first = reports[0]
     dropped: dict[str, int] = {}
+    failures: dict[str, int] = {}
     for r in reports:
         for reason, count in r.dropped.items():
             dropped[reason] = dropped.get(reason, 0) + count
+        for reason, count in r.reward_failures.items():
+            failures[reason] = failures.get(reason, 0) + count
     tokens = [r.tokens_per_second for r in reports if r.tokens_per_second is not None]
     update = {
         "time": min(r.time for r in reports),
@@ -202,6 +205,7 @@ def merge_progress(reports: Sequence[Progress]) -> Progress | None:
         "policy_lag_versions": _largest([r.policy_lag_versions for r in reports]),
         "buffer_age_seconds": _largest([r.buffer_age_seconds for r in reports]),
         "dropped": dropped,
+        "reward_failures": failures,
         "tokens_per_second": sum(tokens) if tokens else None,
         "reward_mean": _mean([r.reward_mean for r in reports]),
         "starving": any(r.starving for r in reports),

@@ -123,6 +123,15 @@ class EvalStatus(StatusModel):
     samples: int = Field(ge=0, description="Prompts evaluated.")
 
 
+class RewardFailuresStatus(StatusModel):
+    """Reward calls the running workers counted as failed (spec.task.reward.timeoutSeconds)."""
+
+    timeout: int = Field(0, ge=0, description="Calls that ran past the limit.")
+    error: int = Field(0, ge=0, description="Calls that raised or returned a non-number.")
+    warned: int = Field(0, ge=0, description="The total at the last RewardFailures Event.")
+    warned_at: AwareDatetime | None = Field(None, description="When that Event was posted.")
+
+
 class KueueEviction(StatusModel):
     """Why Kueue last took the job's quota away."""
 
@@ -228,6 +237,11 @@ class RLJobStatus(StatusModel):
     )
     collapse: CollapseStatus | None = Field(
         None, description="The newest collapse of the reward or entropy (spec.collapse)."
+    )
+    reward_failures: RewardFailuresStatus | None = Field(
+        None,
+        description="Reward calls that failed (timed out or raised) in the running workers; a "
+        "RewardFailures Warning Event, at most one a minute, says when the count grows.",
     )
     eval: EvalStatus | None = Field(
         None,

@@ -14,7 +14,14 @@ from typing import Any
 from rljob_operator.api import RLJob, RLJobSpec, resolve_topology
 from rljob_operator.builders import JobRef, Role, Topology, pod_name, progress_name
 from rljob_operator.plan import build_plan_summary
-from rljob_operator.reconcile.shared import EventSpec, Observed, _Pass, _pod_phase, _seconds
+from rljob_operator.reconcile.shared import (
+    EventSpec,
+    Observed,
+    _iso,
+    _Pass,
+    _pod_phase,
+    _seconds,
+)
 from rljob_workers.config import (
     HISTORY_KEY,
     SCHEMA_KEY,
@@ -75,9 +82,53 @@ def _read_reports(
     present = _reports_of_present_pods(progress, observed.pods, ref)
     live = [p for p in present if now - p.time <= stale_seconds]
     _report_progress(work, progress, live, spec, topology)
+    _reward_failures_reported(work, present, now)
     if spec.checkpoint.ephemeral:
         _forget_dead_checkpoints(work, present, topology)
     return progress, live
+
+
+REWARD_WARNING_EVERY_S = 60.0
+"""At most one RewardFailures Warning Event per job in this many seconds."""
+
+
+def _reward_failures_reported(work: _Pass, present: list[Progress], now: float) -> None:
+    """status.rewardFailures: the reward calls the running workers counted as failed, by
+    reason; while the count grows, a Warning Event (at most one a minute) says how many failed
+    since the last one. A restarted process counts from 0 again: the total may fall."""
+    totals: dict[str, int] = {}
+    for report in present:
+        for reason, count in report.reward_failures.items():
+            totals[reason] = totals.get(reason, 0) + max(0, count)
+    total = sum(totals.values())
+    before = dict(work.status.get("rewardFailures") or {})
+    if not total and not before:
+        return
+    warned = min(int(before.get("warned", 0)), total)
+    last = _seconds(before.get("warnedAt"))
+    entry: dict[str, Any] = {
+        "timeout": totals.get("timeout", 0),
+        "error": totals.get("error", 0),
+        "warned": warned,
+    }
+    if before.get("warnedAt"):
+        entry["warnedAt"] = before["warnedAt"]
+    if total > warned and (last is None or now - last >= REWARD_WARNING_EVERY_S):
+        by_reason = ", ".join(f"{k} {v}" for k, v in sorted(totals.items()) if v)
+        work.events.append(
+            EventSpec(
+                "Warning",
+                "RewardFailures",
+                f"{total - warned} reward call(s) failed since the last warning ({by_reason} in "
+                "all): the samples scored spec.task.reward.failureValue, or their groups were "
+                "left out; the workers' log names the error (spec.task.reward.timeoutSeconds "
+                "bounds a call)",
+            )
+        )
+        entry["warned"] = total
+        entry["warnedAt"] = _iso(now)
+    if entry != before:
+        work.status["rewardFailures"] = entry
 
 
 def read_progress(observed: Observed, ref: JobRef) -> list[Progress]:
