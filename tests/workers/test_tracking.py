@@ -215,6 +215,9 @@ def test_wandb_offline_run_holds_every_step_and_a_resume_continues_it(tmp_path, 
     for step in range(1, 5):
         backend.log(step, scalars_of(_record(step)))
     backend.close(finished=False)
+    # W&B names an offline run's folder by the second it started: a resume within the same
+    # second would write into the first run's folder (a real resume comes minutes later)
+    time.sleep(1.1)
     resumed = WandbBackend(
         tmp_path,
         mode="offline",
