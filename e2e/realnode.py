@@ -528,11 +528,16 @@ ON_REAL_NODE: dict[str, Any] = {
 def volume_manifests(namespace: str, model_dir: Path, checkpoint_dir: Path) -> list[dict[str, Any]]:
     """hostPath PersistentVolumes bound to the claims ``models`` (read-only, the model) and
     ``ckpt`` (checkpoints) in ``namespace``."""
+    return claim_manifests(
+        namespace,
+        [("models", model_dir, "ReadOnlyMany"), ("ckpt", checkpoint_dir, "ReadWriteMany")],
+    )
+
+
+def claim_manifests(namespace: str, claims: list[tuple[str, Path, str]]) -> list[dict[str, Any]]:
+    """A hostPath PersistentVolume and its bound claim per ``(claim, directory, access mode)``."""
     docs: list[dict[str, Any]] = []
-    for claim, path, mode in (
-        ("models", model_dir, "ReadOnlyMany"),
-        ("ckpt", checkpoint_dir, "ReadWriteMany"),
-    ):
+    for claim, path, mode in claims:
         pv = f"{namespace}-{claim}"
         docs.append(
             {

@@ -104,36 +104,6 @@ def _verifier(namespace: str) -> list[dict[str, Any]]:
     ]
 
 
-def _data_volume(namespace: str, directory: Path) -> list[dict[str, Any]]:
-    pv = f"{namespace}-data"
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv, "labels": {"rljob.io/demo-namespace": namespace}},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadOnlyMany"],
-                "hostPath": {"path": str(directory), "type": "Directory"},
-                "storageClassName": "",
-                "claimRef": {"namespace": namespace, "name": "data"},
-                "persistentVolumeReclaimPolicy": "Retain",
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "data", "namespace": namespace},
-            "spec": {
-                "accessModes": ["ReadOnlyMany"],
-                "resources": {"requests": {"storage": "1Gi"}},
-                "storageClassName": "",
-                "volumeName": pv,
-            },
-        },
-    ]
-
-
 def _apply(cluster: LocalCluster, docs: list[dict[str, Any]]) -> None:
     body = {"apiVersion": "v1", "kind": "List", "items": docs}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
@@ -164,7 +134,10 @@ def test_the_math_example_runs_on_real_pods_with_a_dataset_claim_and_a_verifier_
     write_problems(data / "test.jsonl", generate_problems(32, seed=1))
     for path in [data, *data.iterdir()]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    _apply(real_cluster, _data_volume(ns, data) + _verifier(ns))
+    _apply(
+        real_cluster,
+        realnode.claim_manifests(ns, [("data", data, "ReadOnlyMany")]) + _verifier(ns),
+    )
     job = _math_job("math", steps=12)
     job["spec"]["task"]["reward"]["terms"].append(
         {"type": "http", "url": f"http://verifier.{ns}.svc:8000/score", "weight": 0.5}
